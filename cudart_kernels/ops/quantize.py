@@ -12,7 +12,7 @@ from ..runtime.launch import get_launcher
 GROUP = 128
 THREADS = 256
 UNROLL = 4  # matches ptx/quantize.cu
-_KIND = {dt.bfloat16: 0, dt.float16: 1, dt.float32: 2}
+_KIND = {dt.bfloat16: "KIND_BF16", dt.float16: "KIND_FP16", dt.float32: "KIND_FP32"}
 _INPUTS = tuple(_KIND)
 _ARGS = ("ptr", "i64", "ptr", "i64", "ptr", "i64", "i64", "i32", "i32")
 _MAX_GRID_Y = 65535
@@ -39,12 +39,13 @@ def variants():
 
 
 def _check_input(x, h, name="x"):
-    xv = require(as_array(x, h), name, dtypes=_INPUTS, ndim=2)
+    xv = require(as_array(x, h), name, dtypes=_INPUTS, ndim=2, row_align=0)
     k = xv.shape[1]
     vec = _vec(xv.dtype)
     if k % vec:
         raise ValueError(f"{name}: K={k} must be a multiple of {vec} for {xv.dtype.name} input "
                          "(rows are read in 16-byte vectors)")
+    require(xv, name, row_align=16)
     if (k + GROUP - 1) // GROUP > _MAX_GRID_Y:
         raise ValueError(f"{name}: K={k} too large (at most {_MAX_GRID_Y * GROUP})")
     return xv

@@ -50,6 +50,7 @@ def as_dtype(x) -> DType:
     if isinstance(x, DType):
         return x
     if isinstance(x, str):
+        x = x.rsplit(".", 1)[-1]  # 'torch.bfloat16' -> 'bfloat16'
         d = _ALIASES.get(x) or next((t for t in ALL if t.name == x), None)
         if d is None:
             raise TypeError(f"unknown dtype {x!r}")
@@ -58,7 +59,6 @@ def as_dtype(x) -> DType:
         return _BY_NUMPY[np.dtype(x)]
     except (TypeError, KeyError):
         pass
-    name = str(x).rsplit(".", 1)[-1]  # torch.bfloat16 -> 'bfloat16'
-    if name != str(x) or name in _ALIASES:
-        return as_dtype(name)
+    if type(x).__module__.split(".")[0] in ("torch", "jax", "jaxlib", "cupy"):  # framework dtype objects
+        return as_dtype(str(x))
     raise TypeError(f"unsupported dtype {x!r}")

@@ -1,0 +1,51 @@
+"""NVRTC compiles every kernel variant the library can pick, and the compile report is clean (runs on CPU)."""
+import pytest
+
+from cudart_kernels.cli import SMEM_LIMIT, compile_all, report_problems
+from cudart_kernels.ops import VARIANTS
+from cudart_kernels.runtime.compiler import CompileError, CompileReport, compile_kernel
+
+ALL = [(op, v) for op in VARIANTS for v in VARIANTS[op]()]
+
+
+@pytest.mark.parametrize("op,variant", ALL, ids=[f"{op}-{v[1]}-{v[2]}" for op, v in ALL])
+def test_variant_compiles_clean(op, variant):
+    c = compile_kernel(variant[0], variant[1], variant[2], "sm_90a")
+    assert len(c.cubin) > 1000 and c.cubin[:4] == b"\x7fELF"
+    r = c.report
+    assert r.registers > 0, r.log
+    assert r.spill_stores == 0 and r.spill_loads == 0, r.log
+    assert r.stack_bytes == 0, r.log
+    dyn = variant[3] if len(variant) > 3 else 0
+    assert r.static_smem + dyn <= SMEM_LIMIT
+    assert report_problems(c, dyn) == []
+
+
+def test_report_parse_picks_the_entry():
+    log = """ptxas info    : Compiling entry function 'other' for 'sm_90a'
+ptxas         .     16 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 200 registers, used 1 barriers, 1024 bytes smem
+ptxas info    : Compiling entry function 'mine' for 'sm_90a'
+ptxas info    : Function properties for mine
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 0 barriers, 64 bytes smem
+"""
+    r = CompileReport.parse(log, "mine")
+    assert (r.registers, r.spill_stores, r.stack_bytes, r.static_smem) == (40, 0, 0, 64)
+    r = CompileReport.parse(log, "other")
+    assert (r.registers, r.spill_stores, r.spill_loads, r.stack_bytes, r.static_smem) == (200, 8, 4, 16, 1024)
+
+
+def test_problems_are_reported():
+    c = compile_kernel("quantize.cu", "quantize_per_token", {"IN_KIND": "KIND_BF16"}, "sm_90a")
+    assert report_problems(c, SMEM_LIMIT + 1) == [f"smem {SMEM_LIMIT + 1} B > {SMEM_LIMIT} B"]
+
+
+def test_compile_error_is_clear():
+    with pytest.raises(CompileError, match="NVRTC failed"):
+        compile_kernel("quantize.cu", "quantize_per_token", {"IN_KIND": "not_a_kind("}, "sm_90a")
+
+
+def test_compile_all_covers_every_op():
+    seen = {op for op, _, _ in compile_all(list(VARIANTS), "sm_90a")}
+    assert seen == set(VARIANTS)

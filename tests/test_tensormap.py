@@ -1,0 +1,52 @@
+"""cuTensorMapEncodeTiled's documented rules, checked in Python (CPU); encoding itself on the GPU."""
+import numpy as np
+import pytest
+
+from cudart_kernels.runtime.tensormap import TensorMapCache, check_tensor_map, encode_tensor_map
+
+OK = dict(dtype="bf16", address=0x10000, dims=[4096, 512], strides=[8192], box=[64, 128], swizzle=128)
+
+
+def test_valid_map_passes():
+    check_tensor_map(**OK)
+
+
+@pytest.mark.parametrize("change,rule", [
+    (dict(dims=[1] * 6, strides=[16] * 5, box=[8] * 6), "rank must be 1..5"),
+    (dict(address=0x10008), "16-byte aligned"),
+    (dict(strides=[8200]), "multiple of 16"),
+    (dict(strides=[2**40]), r"\(0, 2\^40\)"),
+    (dict(box=[64, 257]), r"box\[1\]=257 must be in 1..256"),
+    (dict(box=[4, 128]), "inner box extent 8 bytes must be a multiple of 16"),
+    (dict(box=[128, 64]), "exceeds the 128-byte swizzle span"),
+    (dict(swizzle=48), "swizzle must be one of"),
+    (dict(dims=[0, 512]), r"dims\[0\]=0"),
+    (dict(strides=[]), "need rank-1"),
+    (dict(box=[64]), "box needs 2 entries"),
+    (dict(dtype="float64"), "unknown dtype|unsupported"),
+])
+def test_rule_violations_name_the_rule(change, rule):
+    with pytest.raises((ValueError, TypeError), match=rule):
+        check_tensor_map(**{**OK, **change})
+
+
+def test_swizzle_none_allows_wide_inner_box():
+    check_tensor_map(**{**OK, "box": [128, 64], "swizzle": 0})
+
+
+@pytest.mark.gpu
+def test_encode_and_repoint_on_gpu():
+    from cudart_kernels.runtime import DeviceArray
+
+    a = DeviceArray.empty((512, 4096), "bf16")
+    m = encode_tensor_map("bf16", a.ptr, [4096, 512], [8192], [64, 128])
+    raw = m.bytes()
+    assert len(raw) == 128 and raw != bytes(128)
+    cache = TensorMapCache()
+    b = DeviceArray.empty((512, 4096), "bf16")
+    m1 = cache.get("bf16", a.ptr, [4096, 512], [8192], [64, 128])
+    before = m1.bytes()
+    m2 = cache.get("bf16", b.ptr, [4096, 512], [8192], [64, 128])
+    assert m2 is m1 and m1.base == b.ptr and m1.bytes() != before
+    fresh = encode_tensor_map("bf16", b.ptr, [4096, 512], [8192], [64, 128])
+    assert fresh.bytes() == m1.bytes()  # re-pointing equals re-encoding
