@@ -58,9 +58,11 @@ __device__ __forceinline__ void store_q(u8* dst, const Vec& x, float inv) {
 }
 
 // ---- per token: one scale per (row, 128-column group) ---------------------------------------------------------
-// Grid: x = ceil(M / ROWS_PER_BLOCK), y = ceil(K / 128). Each thread keeps UNROLL loads in flight.
+// Work units are (row, group) pairs in row-major order, so the blocks running at one time read one contiguous
+// stretch of memory (DRAM-page friendly). Each block takes UNITS_PER_BLOCK consecutive units; each thread keeps
+// UNROLL 16-byte loads in flight. Grid: x = ceil(M * G / UNITS_PER_BLOCK).
 constexpr int UNROLL = 4;
-constexpr int ROWS_PER_BLOCK = SLOTS * UNROLL;
+constexpr int UNITS_PER_BLOCK = SLOTS * UNROLL;
 
 extern "C" __global__ void __launch_bounds__(THREADS) quantize_per_token(
     const u8* __restrict__ x, i64 x_row_stride,          // bytes
@@ -69,32 +71,35 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_per_token(
     int M, int K) {
   const int lane = threadIdx.x % TPG;
   const int slot = threadIdx.x / TPG;
-  const int g = blockIdx.y;
-  const int col = g * GROUP + lane * VEC;
-  const bool col_ok = col < K;
-  const int row0 = blockIdx.x * ROWS_PER_BLOCK + slot;
+  const u32 G = (K + GROUP - 1) / GROUP;
+  const u64 units = u64(M) * G;
+  const u64 unit0 = u64(blockIdx.x) * UNITS_PER_BLOCK + slot;
 
   u32x4 raw[UNROLL];
+  i64 row[UNROLL];
+  int col[UNROLL];
 #pragma unroll
   for (int j = 0; j < UNROLL; ++j) {
-    const int row = row0 + j * SLOTS;
+    const u64 u = unit0 + j * SLOTS;
+    row[j] = i64(u / G);
+    col[j] = int(u % G) * GROUP + lane * VEC;
     raw[j] = u32x4{0, 0, 0, 0};
-    if (row < M && col_ok) raw[j] = ld_stream_16(x + row * x_row_stride + i64(col) * IN_BYTES);
+    if (u < units && col[j] < K) raw[j] = ld_stream_16(x + row[j] * x_row_stride + i64(col[j]) * IN_BYTES);
   }
 #pragma unroll
   for (int j = 0; j < UNROLL; ++j) {
-    const int row = row0 + j * SLOTS;
     const Vec v = unpack(raw[j]);
     const float amax = fmaxf(group_max<TPG>(vec_amax(v)), AMAX_FLOOR);
-    if (row < M) {
-      if (lane == 0) scales[row * s_stride_m + g * s_stride_g] = amax / FP8_MAX;
-      if (col_ok) store_q(q + row * q_row_stride + col, v, FP8_MAX / amax);
+    if (unit0 + j * SLOTS < units) {
+      if (lane == 0) scales[row[j] * s_stride_m + (col[j] / GROUP) * s_stride_g] = amax / FP8_MAX;
+      if (col[j] < K) store_q(q + row[j] * q_row_stride + col[j], v, FP8_MAX / amax);
     }
   }
 }
 
 // ---- per block: one scale per 128x128 tile ----------------------------------------------------------------------
-// Grid: x = ceil(N / 128), y = ceil(K / 128). The whole tile stays in registers between the two passes.
+// Grid: x = ceil(K / 128), y = ceil(N / 128): neighbouring blocks share rows, so together they read whole rows.
+// The whole tile stays in registers between the amax pass and the quantize pass.
 constexpr int PASSES = GROUP / SLOTS;     // rows per thread: 8 (16-bit input) or 16 (fp32)
 
 extern "C" __global__ void __launch_bounds__(THREADS) quantize_per_block(
@@ -103,9 +108,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_per_block(
   __shared__ float warp_amax[THREADS / 32];
   const int lane = threadIdx.x % TPG;
   const int slot = threadIdx.x / TPG;
-  const int col = blockIdx.y * GROUP + lane * VEC;
+  const int col = blockIdx.x * GROUP + lane * VEC;
   const bool col_ok = col < K;
-  const i64 row0 = i64(blockIdx.x) * GROUP + slot;
+  const i64 row0 = i64(blockIdx.y) * GROUP + slot;
 
   u32x4 raw[PASSES];
 #pragma unroll
@@ -124,7 +129,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) quantize_per_block(
 #pragma unroll
   for (int w = 1; w < THREADS / 32; ++w) amax = fmaxf(amax, warp_amax[w]);
   amax = fmaxf(amax, AMAX_FLOOR);
-  if (threadIdx.x == 0) scales[blockIdx.x * s_stride_n + blockIdx.y * s_stride_k] = amax / FP8_MAX;
+  if (threadIdx.x == 0) scales[blockIdx.y * s_stride_n + blockIdx.x * s_stride_k] = amax / FP8_MAX;
   const float inv = FP8_MAX / amax;
   if (!col_ok) return;
 #pragma unroll

@@ -4,7 +4,7 @@ import pytest
 
 import cudart_kernels as ck
 from cudart_kernels import reference as ref
-from cudart_kernels.ops.quantize import mmajor_stride, rows_per_block
+from cudart_kernels.ops.quantize import mmajor_stride, units_per_block
 from cudart_kernels.runtime.interop import DeviceArray
 
 FAKE = 0x7F0000000000  # a well-aligned address: validation must fail before anything touches it
@@ -15,7 +15,7 @@ def fake(shape, dtype, strides=None, offset=0):
 
 
 def test_layout_math():
-    assert rows_per_block(ck.bfloat16) == 64 and rows_per_block(ck.float32) == 32
+    assert units_per_block(ck.bfloat16) == 64 and units_per_block(ck.float32) == 32
     assert [mmajor_stride(m) for m in (1, 4, 5, 4097)] == [4, 4, 8, 4100]
 
 

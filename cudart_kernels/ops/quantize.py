@@ -15,15 +15,15 @@ UNROLL = 4  # matches ptx/quantize.cu
 _KIND = {dt.bfloat16: "KIND_BF16", dt.float16: "KIND_FP16", dt.float32: "KIND_FP32"}
 _INPUTS = tuple(_KIND)
 _ARGS = ("ptr", "i64", "ptr", "i64", "ptr", "i64", "i64", "i32", "i32")
-_MAX_GRID_Y = 65535
+_MAX_ROWS = 65535 * GROUP  # per-block grid y (row blocks) <= 65535; per-token rows fit int32 too
 
 
 def _vec(dtype) -> int:
     return 16 // dtype.itemsize
 
 
-def rows_per_block(dtype) -> int:
-    """Rows one per-token block covers: (THREADS / threads-per-group) * UNROLL."""
+def units_per_block(dtype) -> int:
+    """(row, group) units one per-token block covers: (THREADS / threads-per-group) * UNROLL."""
     return THREADS // (GROUP // _vec(dtype)) * UNROLL
 
 
@@ -38,43 +38,79 @@ def variants():
             for e in ("quantize_per_token", "quantize_per_block")]
 
 
-def _check_input(x, h, name="x"):
-    xv = require(as_array(x, h), name, dtypes=_INPUTS, ndim=2, row_align=0)
-    k = xv.shape[1]
+def _check_input(xv, name):
+    require(xv, name, dtypes=_INPUTS, ndim=2, row_align=0)
+    m, k = xv.shape
     vec = _vec(xv.dtype)
     if k % vec:
         raise ValueError(f"{name}: K={k} must be a multiple of {vec} for {xv.dtype.name} input "
                          "(rows are read in 16-byte vectors)")
     require(xv, name, row_align=16)
-    if (k + GROUP - 1) // GROUP > _MAX_GRID_Y:
-        raise ValueError(f"{name}: K={k} too large (at most {_MAX_GRID_Y * GROUP})")
-    return xv
+    if m > _MAX_ROWS:
+        raise ValueError(f"{name}: {m} rows is more than this kernel indexes ({_MAX_ROWS})")
 
 
-def _q_out(out, shape, xv, h, name="out"):
-    if out is None:
-        return DeviceArray.empty(shape, dt.float8_e4m3, xv.device, h), None
-    ov = require(as_array(out, h), name, dtypes=(dt.float8_e4m3,), ndim=2, shape=shape,
-                 align=_vec(xv.dtype), row_align=_vec(xv.dtype))
-    if ov.device != xv.device:
-        raise ValueError(f"{name} is on cuda:{ov.device} but x is on cuda:{xv.device}")
-    return ov, out
+def _scale_shape(kind, m, k):
+    rows = 1 if kind == "token" else GROUP
+    return (-(-m // rows), -(-k // GROUP))
 
 
-def _scales_out(out_scales, shape, xv, h, layout="rowmajor"):
-    if out_scales is None:
-        if layout == "mmajor":
-            sv = DeviceArray.empty_strided(shape, (1, mmajor_stride(shape[0])), dt.float32, xv.device, h)
-        else:
-            sv = DeviceArray.empty(shape, dt.float32, xv.device, h)
-        return sv, None
-    sv = require(as_array(out_scales, h), "out_scales", dtypes=(dt.float32,), ndim=2, shape=shape,
-                 row_contiguous=False, align=4, row_align=0)
-    if any(s <= 0 for s, n in zip(sv.strides, sv.shape) if n > 1):
+def _plan(kind, name, xv, qv, sv):
+    """Validate one operand signature (done once per signature, then cached) and precompute the launch."""
+    _check_input(xv, name)
+    m, k = xv.shape
+    vec = _vec(xv.dtype)
+    require(qv, "out", dtypes=(dt.float8_e4m3,), ndim=2, shape=(m, k), align=vec, row_align=vec)
+    shape_s = _scale_shape(kind, m, k)
+    require(sv, "out_scales", dtypes=(dt.float32,), ndim=2, shape=shape_s, row_contiguous=False, align=4,
+            row_align=0)
+    if any(st <= 0 for st, n in zip(sv.strides, sv.shape) if n > 1):
         raise ValueError(f"out_scales: strides must be positive, got {sv.strides}")
-    if sv.device != xv.device:
-        raise ValueError(f"out_scales is on cuda:{sv.device} but x is on cuda:{xv.device}")
-    return sv, out_scales
+    for a, what in ((qv, "out"), (sv, "out_scales")):
+        if a.device != xv.device:
+            raise ValueError(f"{what} is on cuda:{a.device} but {name} is on cuda:{xv.device}")
+    entry = "quantize_per_token" if kind == "token" else "quantize_per_block"
+    launch = get_launcher("quantize.cu", entry, {"IN_KIND": _KIND[xv.dtype]}, xv.device, _ARGS, (THREADS,))
+    if kind == "token":
+        units = units_per_block(xv.dtype)
+        grid = (-(-(m * shape_s[1]) // units), 1, 1)
+    else:
+        grid = (shape_s[1], shape_s[0], 1)
+    return (launch if m else None, grid, xv.strides[0] * xv.dtype.itemsize, qv.strides[0], sv.strides[0],
+            sv.strides[1], m, k)
+
+
+_plans: dict = {}
+
+
+def _run(kind, name, x, out, out_scales, stream, layout="rowmajor"):
+    h = stream_handle(stream)
+    xv = as_array(x, h)
+    if out is None or out_scales is None:  # allocate: validate the input first
+        _check_input(xv, name)
+        m, k = xv.shape
+        qv = as_array(out, h) if out is not None else DeviceArray.empty((m, k), dt.float8_e4m3, xv.device, stream)
+        if out_scales is not None:
+            sv = as_array(out_scales, h)
+        else:
+            shape_s = _scale_shape(kind, m, k)
+            if layout == "mmajor":
+                sv = DeviceArray.empty_strided(shape_s, (1, mmajor_stride(m)), dt.float32, xv.device, stream)
+            else:
+                sv = DeviceArray.empty(shape_s, dt.float32, xv.device, stream)
+    else:
+        qv, sv = as_array(out, h), as_array(out_scales, h)
+    key = (kind, xv.shape, xv.strides, xv.dtype, xv.ptr & 15, xv.device, qv.shape, qv.strides, qv.dtype,
+           qv.ptr & 15, qv.device, sv.shape, sv.strides, sv.dtype, sv.ptr & 15, sv.device)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) > 4096:
+            _plans.clear()
+        plan = _plans[key] = _plan(kind, name, xv, qv, sv)
+    launch, grid, x_rs, q_rs, s0, s1, m, k = plan
+    if launch is not None:
+        launch(grid, h, xv.ptr, x_rs, qv.ptr, q_rs, sv.ptr, s0, s1, m, k)
+    return (qv if out is None else out), (sv if out_scales is None else out_scales)
 
 
 def quantize_fp8_per_token(x, *, scale_layout: str = "mmajor", out=None, out_scales=None, stream=None):
@@ -84,23 +120,11 @@ def quantize_fp8_per_token(x, *, scale_layout: str = "mmajor", out=None, out_sca
     column by column with a column stride of M rounded up to 4 (the layout the FP8 GEMM's TMA loads); "rowmajor"
     gives a plain [M, G] array. `out` / `out_scales` may be given (any supported array type; `out_scales` may
     have any positive strides) and are then returned as passed. K must be a multiple of 16 bytes of input.
+    Runs on `stream` (None: the legacy default stream; an int handle or any stream object).
     """
     if scale_layout not in ("mmajor", "rowmajor"):
         raise ValueError(f"scale_layout must be 'mmajor' or 'rowmajor', got {scale_layout!r}")
-    h = stream_handle(stream)
-    xv = _check_input(x, h)
-    m, k = xv.shape
-    g = (k + GROUP - 1) // GROUP
-    qv, q_user = _q_out(out, (m, k), xv, h)
-    sv, s_user = _scales_out(out_scales, (m, g), xv, h, scale_layout)
-    if m:
-        launch = get_launcher("quantize.cu", "quantize_per_token", {"IN_KIND": _KIND[xv.dtype]}, xv.device,
-                              _ARGS, (THREADS,))
-        rows = rows_per_block(xv.dtype)
-        launch(((m + rows - 1) // rows, g, 1), h,
-               xv.ptr, xv.strides[0] * xv.dtype.itemsize, qv.ptr, qv.strides[0],
-               sv.ptr, sv.strides[0], sv.strides[1], m, k)
-    return (qv if q_user is None else q_user), (sv if s_user is None else s_user)
+    return _run("token", "x", x, out, out_scales, stream, scale_layout)
 
 
 def quantize_fp8_per_block(w, *, out=None, out_scales=None, stream=None):
@@ -108,16 +132,4 @@ def quantize_fp8_per_block(w, *, out=None, out_scales=None, stream=None):
 
     Returns (q [N, K] e4m3, scales [ceil(N/128), ceil(K/128)] fp32, row-major unless `out_scales` says otherwise).
     """
-    h = stream_handle(stream)
-    wv = _check_input(w, h, "w")
-    n, k = wv.shape
-    shape_s = ((n + GROUP - 1) // GROUP, (k + GROUP - 1) // GROUP)
-    qv, q_user = _q_out(out, (n, k), wv, h)
-    sv, s_user = _scales_out(out_scales, shape_s, wv, h)
-    if n:
-        launch = get_launcher("quantize.cu", "quantize_per_block", {"IN_KIND": _KIND[wv.dtype]}, wv.device,
-                              _ARGS, (THREADS,))
-        launch((shape_s[0], shape_s[1], 1), h,
-               wv.ptr, wv.strides[0] * wv.dtype.itemsize, qv.ptr, qv.strides[0],
-               sv.ptr, sv.strides[0], sv.strides[1], n, k)
-    return (qv if q_user is None else q_user), (sv if s_user is None else s_user)
+    return _run("block", "w", w, out, out_scales, stream)

@@ -6,6 +6,7 @@ Strides are in elements everywhere in this module (DLPack's convention); CAI byt
 from __future__ import annotations
 
 import ctypes
+import sys
 from ctypes import POINTER, c_char_p, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
 
 import numpy as np
@@ -91,12 +92,14 @@ def _order(producer: int | None, consumer: int | None) -> None:
 # ---- device memory ---------------------------------------------------------------------------------------------
 
 class _Allocation:
-    """Stream-ordered device memory (cuMemAllocAsync); freed on the stream it was allocated on."""
+    """Stream-ordered device memory (cuMemAllocAsync), freed on the stream it was allocated on. A stream given as
+    an object (torch, cupy, cuda.core) is kept alive until then; a raw handle must outlive the array."""
 
-    __slots__ = ("ptr", "stream", "device", "nbytes")
+    __slots__ = ("ptr", "stream", "device", "nbytes", "_stream_owner")
 
-    def __init__(self, nbytes: int, device: int, stream: int):
+    def __init__(self, nbytes: int, device: int, stream: int, stream_owner=None):
         use_device(device)
+        self._stream_owner = stream_owner
         if stream_is_capturing(stream):
             raise RuntimeError("cudart_kernels cannot allocate while the stream is capturing a CUDA graph: "
                                "pass preallocated outputs (out=...) inside the capture")
@@ -145,8 +148,8 @@ class DeviceArray:
         if any(s < 0 for s in shape):
             raise ValueError(f"negative dimension in shape {shape}")
         h = stream_handle(stream)
-        alloc = _Allocation(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, device, h)
-        return cls(alloc.ptr, shape, dtype, None, device, h, alloc)
+        alloc = _Allocation(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, device, h, _owner_of(stream))
+        return _make(alloc.ptr, shape, _contiguous_strides(shape), dtype, device, h, alloc)
 
     @classmethod
     def empty_strided(cls, shape, strides, dtype, device: int = 0, stream=None) -> "DeviceArray":
@@ -154,8 +157,8 @@ class DeviceArray:
         dtype = dt.as_dtype(dtype)
         span = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if all(shape) else 0
         h = stream_handle(stream)
-        alloc = _Allocation(span * dtype.itemsize, device, h)
-        return cls(alloc.ptr, shape, dtype, strides, device, h, alloc)
+        alloc = _Allocation(span * dtype.itemsize, device, h, _owner_of(stream))
+        return _make(alloc.ptr, tuple(shape), tuple(strides), dtype, device, h, alloc)
 
     @classmethod
     def from_numpy(cls, arr, dtype=None, device: int = 0, stream=None) -> "DeviceArray":
@@ -252,6 +255,17 @@ class DeviceArray:
             "stream": _dlpack_stream_arg(self.stream),
             "version": 3,
         }
+
+
+def _owner_of(stream):
+    return None if stream is None or type(stream) is int else stream
+
+
+def _make(ptr, shape, strides, dtype, device, stream, owner) -> DeviceArray:
+    """Construct without normalising arguments (hot path: callers pass tuples of ints and a DType)."""
+    a = DeviceArray.__new__(DeviceArray)
+    a.ptr, a.shape, a.strides, a.dtype, a.device, a.stream, a._owner = ptr, shape, strides, dtype, device, stream, owner
+    return a
 
 
 # ---- DLPack export ---------------------------------------------------------------------------------------------
@@ -354,6 +368,36 @@ def _from_cai(obj, consumer: int) -> DeviceArray:
     return DeviceArray(ptr, shape, dtype, strides, device, consumer, obj)
 
 
+_torch = None  # (Tensor type, {torch dtype: DType}, current raw stream fn) once the user has imported torch
+
+
+def _torch_support():
+    global _torch
+    import torch
+
+    table = {getattr(torch, n): d for n, d in (("float32", dt.float32), ("float16", dt.float16),
+                                               ("bfloat16", dt.bfloat16), ("float8_e4m3fn", dt.float8_e4m3),
+                                               ("float8_e5m2", dt.float8_e5m2), ("int32", dt.int32),
+                                               ("int64", dt.int64)) if hasattr(torch, n)}
+    _torch = (torch.Tensor, table, torch._C._cuda_getCurrentRawStream)
+    return _torch
+
+
+def _from_torch(t, consumer: int, table, raw_stream) -> DeviceArray:
+    """torch.Tensor without a DLPack round trip, with the same ordering torch's __dlpack__(stream) gives: the
+    consumer stream waits for torch's current stream on the tensor's device."""
+    if not t.is_cuda:
+        raise HostArrayError(f"expected a CUDA tensor, got one on {t.device}; move it to the GPU first")
+    dtype = table.get(t.dtype)
+    if dtype is None:
+        raise TypeError(f"unsupported dtype {t.dtype}")
+    dev = t.get_device()
+    producer = raw_stream(dev)
+    if producer != consumer:
+        _order(producer, consumer)
+    return _make(t.data_ptr(), tuple(t.shape), t.stride(), dtype, dev, consumer, t)
+
+
 def as_array(obj, stream=None) -> DeviceArray:
     """View any supported device array as a DeviceArray, ordered on the consumer `stream` (a handle or object).
 
@@ -363,6 +407,10 @@ def as_array(obj, stream=None) -> DeviceArray:
     if type(obj) is DeviceArray:
         return obj
     h = stream if type(stream) is int else stream_handle(stream)
+    if "torch" in sys.modules:
+        ts = _torch or _torch_support()
+        if isinstance(obj, ts[0]):
+            return _from_torch(obj, h, ts[1], ts[2])
     if hasattr(obj, "__dlpack__"):
         if hasattr(obj, "__dlpack_device__"):
             dev_type = obj.__dlpack_device__()[0]
