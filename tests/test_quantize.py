@@ -4,7 +4,7 @@ import pytest
 
 import cudart_kernels as ck
 from cudart_kernels import reference as ref
-from cudart_kernels.ops.quantize import mmajor_stride, units_per_block
+from cudart_kernels.ops.quantize import mmajor_stride, token_grid
 from cudart_kernels.runtime.interop import DeviceArray
 
 FAKE = 0x7F0000000000  # a well-aligned address: validation must fail before anything touches it
@@ -15,7 +15,11 @@ def fake(shape, dtype, strides=None, offset=0):
 
 
 def test_layout_math():
-    assert units_per_block(ck.bfloat16) == 64 and units_per_block(ck.float32) == 32
+    # 16 groups x 4 rows per block for bf16 (16 threads a group); the row's 57 groups need 4 block columns
+    assert token_grid(ck.bfloat16, 4096, 7176) == ((4, 1024, 1), 4)
+    assert token_grid(ck.float32, 4096, 7168) == ((7, 1024, 1), 3)  # 8 groups of 32 threads
+    assert token_grid(ck.bfloat16, 10, 256) == ((1, 1, 1), 1)  # 2 groups: 8 rows x 2 groups x 4 passes
+    assert token_grid(ck.bfloat16, 10**7, 7168)[0][1] == 65535  # grid.y capped; blocks loop over row tiles
     assert [mmajor_stride(m) for m in (1, 4, 5, 4097)] == [4, 4, 8, 4100]
 
 

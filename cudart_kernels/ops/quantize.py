@@ -10,11 +10,12 @@ from ..runtime.interop import DeviceArray, as_array, require
 from ..runtime.launch import get_launcher
 
 GROUP = 128
-THREADS = 256
-UNROLL = 4  # matches ptx/quantize.cu
+THREADS = 256  # -DTHREADS
+UNROLL = 4     # -DUNROLL: 16-byte loads in flight per thread (per-token kernel)
 _KIND = {dt.bfloat16: "KIND_BF16", dt.float16: "KIND_FP16", dt.float32: "KIND_FP32"}
 _INPUTS = tuple(_KIND)
 _ARGS = ("ptr", "i64", "ptr", "i64", "ptr", "i64", "i64", "i32", "i32")
+_TOKEN_ARGS = _ARGS + ("i32",)
 _MAX_ROWS = 65535 * GROUP  # per-block grid y (row blocks) <= 65535; per-token rows fit int32 too
 
 
@@ -22,9 +23,14 @@ def _vec(dtype) -> int:
     return 16 // dtype.itemsize
 
 
-def units_per_block(dtype) -> int:
-    """(row, group) units one per-token block covers: (THREADS / threads-per-group) * UNROLL."""
-    return THREADS // (GROUP // _vec(dtype)) * UNROLL
+def token_grid(dtype, m: int, k: int, threads: int = THREADS, unroll: int = UNROLL):
+    """Per-token launch shape: (grid, log2 of groups per block). A block spans up to `slots` consecutive groups
+    (fewer when the row has fewer) and (slots / groups-per-block) * unroll rows."""
+    slots = threads // (GROUP // _vec(dtype))
+    g = -(-k // GROUP)
+    log2_gpb = min(slots.bit_length() - 1, max(0, (g - 1).bit_length()))
+    rows = (slots >> log2_gpb) * unroll
+    return (-(-g // (1 << log2_gpb)), max(1, min(-(-m // rows), 65535)), 1), log2_gpb
 
 
 def mmajor_stride(m: int) -> int:
@@ -32,10 +38,13 @@ def mmajor_stride(m: int) -> int:
     return (m + 3) // 4 * 4
 
 
+def _defines(dtype):
+    return {"IN_KIND": _KIND[dtype], "THREADS": THREADS, "UNROLL": UNROLL}
+
+
 def variants():
     """Every kernel variant this module can launch: (source, entry, defines)."""
-    return [("quantize.cu", e, {"IN_KIND": k}) for k in _KIND.values()
-            for e in ("quantize_per_token", "quantize_per_block")]
+    return [("quantize.cu", e, _defines(d)) for d in _KIND for e in ("quantize_per_token", "quantize_per_block")]
 
 
 def _check_input(xv, name):
@@ -69,15 +78,17 @@ def _plan(kind, name, xv, qv, sv):
     for a, what in ((qv, "out"), (sv, "out_scales")):
         if a.device != xv.device:
             raise ValueError(f"{what} is on cuda:{a.device} but {name} is on cuda:{xv.device}")
-    entry = "quantize_per_token" if kind == "token" else "quantize_per_block"
-    launch = get_launcher("quantize.cu", entry, {"IN_KIND": _KIND[xv.dtype]}, xv.device, _ARGS, (THREADS,))
     if kind == "token":
-        units = units_per_block(xv.dtype)
-        grid = (-(-(m * shape_s[1]) // units), 1, 1)
+        grid, log2_gpb = token_grid(xv.dtype, m, k)
+        launch = get_launcher("quantize.cu", "quantize_per_token", _defines(xv.dtype), xv.device, _TOKEN_ARGS,
+                              (THREADS,))
+        extra = (log2_gpb,)
     else:
-        grid = (shape_s[1], shape_s[0], 1)
-    return (launch if m else None, grid, xv.strides[0] * xv.dtype.itemsize, qv.strides[0], sv.strides[0],
-            sv.strides[1], m, k)
+        grid, extra = (shape_s[1], shape_s[0], 1), ()
+        launch = get_launcher("quantize.cu", "quantize_per_block", _defines(xv.dtype), xv.device, _ARGS,
+                              (THREADS,))
+    args = (xv.strides[0] * xv.dtype.itemsize, qv.strides[0], sv.strides[0], sv.strides[1], m, k) + extra
+    return (launch if m else None), grid, args
 
 
 _plans: dict = {}
@@ -107,9 +118,9 @@ def _run(kind, name, x, out, out_scales, stream, layout="rowmajor"):
         if len(_plans) > 4096:
             _plans.clear()
         plan = _plans[key] = _plan(kind, name, xv, qv, sv)
-    launch, grid, x_rs, q_rs, s0, s1, m, k = plan
+    launch, grid, args = plan
     if launch is not None:
-        launch(grid, h, xv.ptr, x_rs, qv.ptr, q_rs, sv.ptr, s0, s1, m, k)
+        launch(grid, h, xv.ptr, args[0], qv.ptr, args[1], sv.ptr, *args[2:])
     return (qv if out is None else out), (sv if out_scales is None else out_scales)
 
 

@@ -5,6 +5,7 @@ Strides are in elements everywhere in this module (DLPack's convention); CAI byt
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import sys
 from ctypes import POINTER, c_char_p, c_int32, c_int64, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
@@ -91,6 +92,15 @@ def _order(producer: int | None, consumer: int | None) -> None:
 
 # ---- device memory ---------------------------------------------------------------------------------------------
 
+_exiting = False
+
+
+@atexit.register
+def _mark_exit():
+    global _exiting
+    _exiting = True
+
+
 class _Allocation:
     """Stream-ordered device memory (cuMemAllocAsync), freed on the stream it was allocated on. A stream given as
     an object (torch, cupy, cuda.core) is kept alive until then; a raw handle must outlive the array."""
@@ -107,6 +117,8 @@ class _Allocation:
         self.stream, self.device, self.nbytes = stream, device, nbytes
 
     def __del__(self):
+        if _exiting:  # the driver tears the context down with the process; calling into it now can crash
+            return
         try:
             use_device(self.device)
             cu.cuMemFreeAsync(self.ptr, self.stream)
