@@ -67,7 +67,8 @@ class CompileReport:
         # ptxas prints one block per function; take the lines after the entry's "Compiling entry function" line.
         lines = text.splitlines()
         start = next((i for i, l in enumerate(lines) if f"entry function '{entry}'" in l), 0)
-        block = "\n".join(lines[start:start + 6])
+        end = next((i for i in range(start + 1, len(lines)) if "Compiling entry function" in lines[i]), len(lines))
+        block = "\n".join(lines[start:end])
 
         def num(pattern):
             m = re.search(pattern, block)
