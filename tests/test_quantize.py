@@ -85,8 +85,8 @@ def _poisoned_outputs(m, k, rows, cols, layout="rowmajor"):
     q = DeviceArray.empty((m, k), "e4m3").fill_bytes(0x7F)  # e4m3 NaN
     gm, gk = -(-m // rows), -(-k // cols)
     if layout == "mmajor":
-        s = DeviceArray.empty_strided((gm, gk), (1, mmajor_stride(gm)), "fp32")
-        DeviceArray.from_pointer(s.ptr, (mmajor_stride(gm) * gk,), "fp32").fill_bytes(0xFF)
+        buf = DeviceArray.empty((gk, mmajor_stride(gm)), "fp32").fill_bytes(0xFF)  # NaN, padding rows too
+        s = DeviceArray(buf.ptr, (gm, gk), "fp32", strides=(1, mmajor_stride(gm)), owner=buf)
     else:
         s = DeviceArray.empty((gm, gk), "fp32").fill_bytes(0xFF)  # NaN
     return q, s

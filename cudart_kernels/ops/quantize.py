@@ -73,7 +73,7 @@ def _plan(kind, name, xv, qv, sv):
     shape_s = _scale_shape(kind, m, k)
     require(sv, "out_scales", dtypes=(dt.float32,), ndim=2, shape=shape_s, row_contiguous=False, align=4,
             row_align=0)
-    if any(st <= 0 for st, n in zip(sv.strides, sv.shape) if n > 1):
+    if sv.size and any(st <= 0 for st, n in zip(sv.strides, sv.shape) if n > 1):
         raise ValueError(f"out_scales: strides must be positive, got {sv.strides}")
     for a, what in ((qv, "out"), (sv, "out_scales")):
         if a.device != xv.device:
