@@ -49,3 +49,13 @@ def test_compile_error_is_clear():
 def test_compile_all_covers_every_op():
     seen = {op for op, _, _ in compile_all(list(VARIANTS), "sm_90a")}
     assert seen == set(VARIANTS)
+
+
+def test_compile_leaves_interpreter_bytes_intact():
+    """An empty NVRTC log has size 1; writing it into `b" " * 1` (CPython's shared one-byte object) once turned
+    every later space in the process into NUL and broke `import torch`."""
+    from cudart_kernels.runtime.compiler import _nvrtc_compile
+
+    cubin, log = _nvrtc_compile('extern "C" __global__ void k(int* p) { *p = 1; }', "k.cu", ["-arch=sm_90a"])
+    assert cubin[:4] == b"\x7fELF" and log == ""
+    assert b" " * 1 == bytes([32]) and " ".encode() == b"\x20"

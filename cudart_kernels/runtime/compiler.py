@@ -182,18 +182,20 @@ def _nvrtc_compile(text: str, filename: str, opts: list[str]) -> tuple[bytes, st
     try:
         bopts = [o.encode() for o in opts]
         (cerr,) = nvrtc.nvrtcCompileProgram(prog, len(bopts), bopts)
+        # Output buffers must be private and mutable: `b" " * n` is CPython's shared one-byte object when n == 1
+        # (an empty log), and NVRTC writing into it corrupts every later b" " in the process.
         _, n = nvrtc.nvrtcGetProgramLogSize(prog)
-        buf = b" " * n
+        buf = bytearray(n)
         nvrtc.nvrtcGetProgramLog(prog, buf)
-        text_log = buf.rstrip(b"\0 ").decode(errors="replace")
+        text_log = bytes(buf).rstrip(b"\0 ").decode(errors="replace")
         if cerr:
             raise CompileError(f"NVRTC failed to compile {filename} ({' '.join(opts)}):\n{text_log}")
         _, n = nvrtc.nvrtcGetCUBINSize(prog)
-        cubin = b" " * n
+        cubin = bytearray(n)
         (gerr,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         if gerr:
             raise CompileError(f"nvrtcGetCUBIN: {gerr}")
-        return cubin, text_log
+        return bytes(cubin), text_log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
