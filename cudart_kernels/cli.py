@@ -57,7 +57,7 @@ def cmd_compile(args) -> int:
     arch = args.arch or driver.target_arch()
     ops = args.op or list(VARIANTS)
     print(f"compiling for {arch} into {compiler.cache_dir()}")
-    hdr = f"{'op':6} {'kernel':22} {'config':28} {'regs':>4} {'spills':>7} {'stack':>5} {'smem':>7} {'secs':>6}  status"
+    hdr = f"{'op':6} {'kernel':22} {'config':40} {'regs':>4} {'spills':>7} {'stack':>5} {'smem':>7} {'secs':>6}  status"
     print(hdr)
     bad = 0
     for op, c, dyn in compile_all(ops, arch):
@@ -66,7 +66,8 @@ def cmd_compile(args) -> int:
         bad += bool(problems)
         r = c.report
         status = "; ".join(problems) or ("ok (cached)" if c.from_disk else "ok")
-        print(f"{op:6} {c.entry:22} {cfg:28} {r.registers:>4} {r.spill_stores + r.spill_loads:>7} "
+        spills = r.spill_stores + r.spill_loads if r.spills_known else "-"
+        print(f"{op:6} {c.entry:22} {cfg:40} {r.registers:>4} {spills:>7} "
               f"{r.stack_bytes:>5} {r.static_smem + dyn:>7} {c.seconds:>6.2f}  {status}")
     return 1 if bad else 0
 

@@ -14,7 +14,7 @@ def test_variant_compiles_clean(op, variant):
     assert len(c.cubin) > 1000 and c.cubin[:4] == b"\x7fELF"
     r = c.report
     assert r.registers > 0, r.log
-    assert r.spill_stores == 0 and r.spill_loads == 0, r.log
+    assert r.spill_stores == 0 and r.spill_loads == 0, r.log  # 0 also when the log is absent: see stack_bytes
     assert r.stack_bytes == 0, r.log
     dyn = variant[3] if len(variant) > 3 else 0
     assert r.static_smem + dyn <= SMEM_LIMIT
@@ -31,9 +31,31 @@ ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loa
 ptxas info    : Used 40 registers, used 0 barriers, 64 bytes smem
 """
     r = CompileReport.parse(log, "mine")
-    assert (r.registers, r.spill_stores, r.stack_bytes, r.static_smem) == (40, 0, 0, 64)
+    assert (r.registers, r.spill_stores, r.stack_bytes, r.static_smem, r.spills_known) == (40, 0, 0, 64, True)
     r = CompileReport.parse(log, "other")
     assert (r.registers, r.spill_stores, r.spill_loads, r.stack_bytes, r.static_smem) == (200, 8, 4, 16, 1024)
+    assert not CompileReport.parse("", "mine").spills_known
+
+
+def test_cubin_resources_match_ptxas():
+    """The ELF reader agrees with ptxas on registers, stack frame and static smem (what the report relies on
+    when NVRTC's driver-side cache leaves the log empty)."""
+    from cudart_kernels.runtime.compiler import _nvrtc_compile
+    from cudart_kernels.runtime.cubin import resources
+
+    src = r'''
+    extern "C" __global__ void smemk(float* p) { __shared__ float s[1000]; s[threadIdx.x] = p[threadIdx.x];
+      __syncthreads(); p[threadIdx.x] = s[999 - threadIdx.x]; }
+    extern "C" __global__ void stacky(float* p, int j) { float a[1024];
+      for (int i = 0; i < 1024; ++i) a[(i * j) & 1023] = p[i]; p[0] = a[j & 1023]; }
+    '''
+    cubin, log = _nvrtc_compile(src, "t.cu", ["-arch=sm_90a", "--ptxas-options=-v"])
+    for entry in ("smemk", "stacky"):
+        from_log = CompileReport.parse(log, entry)
+        assert resources(cubin, entry) == {"registers": from_log.registers, "stack_bytes": from_log.stack_bytes,
+                                           "static_smem": from_log.static_smem}
+    assert resources(cubin, "smemk")["static_smem"] == 4000
+    assert resources(cubin, "stacky")["stack_bytes"] > 0
 
 
 def test_problems_are_reported():

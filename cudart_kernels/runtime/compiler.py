@@ -18,6 +18,8 @@ from pathlib import Path
 
 from cuda.bindings import nvrtc
 
+from .cubin import resources
+
 log = logging.getLogger("cudart_kernels")
 
 _MAGIC = b"CKCUBIN1"
@@ -54,34 +56,38 @@ class CompileError(RuntimeError):
 
 @dataclass(frozen=True)
 class CompileReport:
-    """What ptxas said about the entry function (parsed from `--ptxas-options=-v`)."""
+    """Resource usage of the entry function. Registers, stack frame and static smem come from the cubin (always
+    present); spill counts from ptxas' `-v` log, which is empty when NVRTC served the compile from the driver's
+    cache (then `spills_known` is False; spills need a stack frame, so `stack_bytes == 0` still proves none)."""
     registers: int
     spill_stores: int
     spill_loads: int
     stack_bytes: int
     static_smem: int
-    log: str = field(repr=False)
+    spills_known: bool = True
+    log: str = field(default="", repr=False)
 
     @staticmethod
-    def parse(text: str, entry: str) -> "CompileReport":
-        # ptxas prints one block per function; take the lines after the entry's "Compiling entry function" line.
+    def parse(text: str, entry: str, cubin: bytes | None = None) -> "CompileReport":
         lines = text.splitlines()
-        start = next((i for i, l in enumerate(lines) if f"entry function '{entry}'" in l), 0)
-        end = next((i for i in range(start + 1, len(lines)) if "Compiling entry function" in lines[i]), len(lines))
-        block = "\n".join(lines[start:end])
+        start = next((i for i, l in enumerate(lines) if f"entry function '{entry}'" in l), None)
+        block = ""
+        if start is not None:
+            end = next((i for i in range(start + 1, len(lines)) if "Compiling entry function" in lines[i]), len(lines))
+            block = "\n".join(lines[start:end])
 
         def num(pattern):
             m = re.search(pattern, block)
             return int(m.group(1)) if m else 0
 
-        return CompileReport(
-            registers=num(r"Used (\d+) registers"),
-            spill_stores=num(r"(\d+) bytes spill stores"),
-            spill_loads=num(r"(\d+) bytes spill loads"),
-            stack_bytes=num(r"(\d+) bytes stack frame"),
-            static_smem=num(r"(\d+) bytes smem"),
-            log=text,
-        )
+        known = "bytes spill stores" in block
+        if cubin is not None:
+            res = resources(cubin, entry)
+        else:
+            res = {"registers": num(r"Used (\d+) registers"), "stack_bytes": num(r"(\d+) bytes stack frame"),
+                   "static_smem": num(r"(\d+) bytes smem")}
+        return CompileReport(spill_stores=num(r"(\d+) bytes spill stores"),
+                             spill_loads=num(r"(\d+) bytes spill loads"), spills_known=known, log=text, **res)
 
 
 @dataclass(frozen=True)
@@ -233,7 +239,7 @@ def compile_kernel(source: str, entry: str, defines: dict | None = None, arch: s
         meta, cubin = entry_data
         from_disk = True
     out = Compiled(name=name, entry=entry, defines=dkey, arch=arch, key=key, cubin=cubin,
-                   report=CompileReport.parse(meta["log"], entry), seconds=meta["seconds"], from_disk=from_disk)
+                   report=CompileReport.parse(meta["log"], entry, cubin), seconds=meta["seconds"], from_disk=from_disk)
     _memo[memo_key] = out
     return out
 
