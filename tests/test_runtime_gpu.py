@@ -1,0 +1,57 @@
+"""Runtime on the GPU: device properties, load + launch with every argument kind, launch errors."""
+import struct
+
+import numpy as np
+import pytest
+
+from cudart_kernels.runtime import compiler, driver
+from cudart_kernels.runtime.interop import DeviceArray
+from cudart_kernels.runtime.launch import Launcher, load
+from cudart_kernels.runtime.tensormap import encode_tensor_map
+
+pytestmark = pytest.mark.gpu
+
+
+def test_device_properties():
+    p = driver.device_properties(0)
+    assert p.sm_count > 0 and p.l2_bytes > 0 and p.smem_per_block_optin >= 48 * 1024
+    if p.compute_capability == (9, 0):
+        assert p.arch == "sm_90a" and p.smem_per_block_optin == 232448
+
+
+@pytest.fixture
+def probe(monkeypatch, tmp_path):
+    root = tmp_path / "ptx"
+    (root / "common").mkdir(parents=True)
+    src = compiler.ptx_dir()
+    (root / "common" / "types.cuh").write_text((src / "common" / "types.cuh").read_text())
+    from pathlib import Path
+
+    (root / "probe.cu").write_text((Path(__file__).parent / "kernels" / "probe.cu").read_text())
+    monkeypatch.setattr(compiler, "ptx_dir", lambda: root)
+    c = compiler.compile_kernel("probe.cu", "probe", {}, driver.target_arch())
+    return load(c, 0)
+
+
+def test_launcher_packs_every_kind(probe):
+    out = DeviceArray.empty((21,), "int64").fill_bytes(0xEE)
+    buf = DeviceArray.empty((64, 256), "bf16")
+    tm = encode_tensor_map("bf16", buf.ptr, [256, 64], [512], [64, 32])
+    lau = Launcher(probe, ["i32", "i64", "f32", "ptr", "tmap", "u32"], (32,))
+    for grid in ((3, 2, 1), (1, 1, 5)):
+        lau(grid, 0, -7, -(2**40) - 3, 1.5, out.ptr, tm, 4000000000)
+        got = out.numpy().view(np.uint64)
+        assert got[0] == np.uint64(2**64 - 7) and got[1] == np.uint64(2**64 - 2**40 - 3)
+        assert got[2] == struct.unpack("<I", struct.pack("<f", 1.5))[0] and got[3] == 4000000000
+        assert got[4:20].tobytes() == tm.bytes()
+        assert got[20] == grid[0] * 1000000 + grid[1] * 1000 + grid[2]
+
+
+def test_launcher_errors(probe):
+    lau = Launcher(probe, ["i32", "i64", "f32", "ptr", "tmap", "u32"], (32,))
+    with pytest.raises(TypeError, match="takes 6 arguments"):
+        lau((1, 1, 1), 0, 1, 2)
+    with pytest.raises(ValueError, match="unknown kernel argument kind"):
+        Launcher(probe, ["double"], (32,))
+    with pytest.raises(driver.CudaError):
+        lau((1, 1, 1), 0x12345, 1, 2, 3.0, 0, encode_tensor_map("bf16", 0x10000000, [64], [], [64]), 1)
