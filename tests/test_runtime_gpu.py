@@ -53,5 +53,6 @@ def test_launcher_errors(probe):
         lau((1, 1, 1), 0, 1, 2)
     with pytest.raises(ValueError, match="unknown kernel argument kind"):
         Launcher(probe, ["double"], (32,))
-    with pytest.raises(driver.CudaError):
-        lau((1, 1, 1), 0x12345, 1, 2, 3.0, 0, encode_tensor_map("bf16", 0x10000000, [64], [], [64]), 1)
+    too_big = Launcher(probe, ["i32", "i64", "f32", "ptr", "tmap", "u32"], (2048,))  # > 1024 threads a block
+    with pytest.raises(driver.CudaError, match="INVALID_VALUE"):
+        too_big((1, 1, 1), 0, 1, 2, 3.0, 0, encode_tensor_map("bf16", 0x10000000, [64], [], [64]), 1)
