@@ -398,12 +398,12 @@ def _torch_support():
 def _from_torch(t, consumer: int, table, raw_stream) -> DeviceArray:
     """torch.Tensor without a DLPack round trip, with the same ordering torch's __dlpack__(stream) gives: the
     consumer stream waits for torch's current stream on the tensor's device."""
-    dev = t.get_device()
-    if dev < 0 or t.device.type != "cuda":
+    if not t.is_cuda:
         raise HostArrayError(f"expected a CUDA tensor, got one on {t.device}; move it to the GPU first")
     dtype = table.get(t.dtype)
     if dtype is None:
         raise TypeError(f"unsupported dtype {t.dtype}")
+    dev = t.get_device()
     producer = raw_stream(dev)
     if producer != consumer:
         _order(producer, consumer)
