@@ -79,9 +79,9 @@ def copy_bandwidth_row(nbytes: int = 1 << 30, device: int = 0) -> Row:
     return Row("copy", f"{nbytes >> 20} MiB D2D", us, gbytes=2 * nbytes / 1e9)
 
 
-def host_overhead_us(call, n: int = 200, batches: int = 25) -> float:
-    """Median wall time of one Python call (to launch return) for a cached config."""
-    for _ in range(50):
+def host_overhead_us(call, n: int = 200, batches: int = 60) -> float:
+    """Median over batches of the mean wall time of one Python call (to launch return), cached config."""
+    for _ in range(200):
         call()
     per = []
     for _ in range(batches):

@@ -407,7 +407,7 @@ def _from_torch(t, consumer: int, table, raw_stream) -> DeviceArray:
     producer = raw_stream(dev)
     if producer != consumer:
         _order(producer, consumer)
-    return _make(t.data_ptr(), tuple(t.shape), t.stride(), dtype, dev, consumer, t)
+    return _make(t.data_ptr(), t.shape, t.stride(), dtype, dev, consumer, t)  # torch.Size is a tuple
 
 
 def as_array(obj, stream=None) -> DeviceArray:
