@@ -102,13 +102,15 @@ def torch_or_none():
 
 
 def markdown(rows: list[Row], copy_gbps: float) -> str:
+    def cell(v, fmt):
+        return format(v, fmt) if v else ""
+
     lines = ["| op | case | time (us) | GB/s | % copy BW | TFLOP/s | peer | peer (us) | peer/ours |",
              "|---|---|---:|---:|---:|---:|---|---:|---:|"]
     for r in rows:
         pct = f"{100 * r.gbps / copy_gbps:.0f}%" if r.gbytes and copy_gbps else ""
-        lines.append(
-            f"| {r.op} | {r.case} | {r.us:.1f} | {r.gbps:.0f} | {pct} | "
-            f"{r.tflops_rate:.1f} | {r.peer} | {r.peer_us:.1f} | {r.ratio:.2f} |".replace("| 0.0 |", "|  |"))
+        lines.append(f"| {r.op} | {r.case} | {r.us:.1f} | {cell(r.gbps, '.0f')} | {pct} | {cell(r.tflops_rate, '.1f')} "
+                     f"| {r.peer} | {cell(r.peer_us, '.1f')} | {cell(r.ratio, '.2f')} |")
     return "\n".join(lines)
 
 

@@ -27,9 +27,9 @@ _HEADER = struct.Struct("<8sQQ32s")
 
 
 def ptx_dir() -> Path:
-    """The kernel sources: `ptx/` beside the package in a source tree, `cudart_kernels/_ptx` in an installed wheel."""
+    """The kernel sources: `cudart_kernels/_ptx` in an installed wheel, `ptx/` beside the package in a source tree."""
     here = Path(__file__).resolve().parent.parent
-    for cand in (here.parent / "ptx", here / "_ptx"):
+    for cand in (here / "_ptx", here.parent / "ptx"):
         if (cand / "common").is_dir():
             return cand
     raise FileNotFoundError(f"kernel sources not found beside {here}")
