@@ -15,9 +15,11 @@ def fake(shape, dtype, strides=None, offset=0):
 
 
 def test_layout_math():
-    # 16 groups x 4 rows per block for bf16 (16 threads a group); the row's 57 groups need 4 block columns
-    assert token_grid(ck.bfloat16, 4096, 7176) == ((4, 1024, 1), 4)
-    assert token_grid(ck.float32, 4096, 7168) == ((7, 1024, 1), 3)  # 8 groups of 32 threads
+    # bf16: 16 slots of 16 threads. 56 groups: 8 per block (7 full columns) x (2 x 4) rows
+    assert token_grid(ck.bfloat16, 4096, 7168) == ((7, 512, 1), 3)
+    assert token_grid(ck.bfloat16, 4096, 8192) == ((4, 1024, 1), 4)  # 64 groups: 16 per block, no idle slot
+    assert token_grid(ck.bfloat16, 4096, 7176) == ((15, 256, 1), 2)  # 57 groups: 4 per block idles 3 of 60
+    assert token_grid(ck.float32, 4096, 7168) == ((7, 1024, 1), 3)  # fp32: 8 slots of 32 threads
     assert token_grid(ck.bfloat16, 10, 256) == ((1, 1, 1), 1)  # 2 groups: 8 rows x 2 groups x 4 passes
     assert token_grid(ck.bfloat16, 10**7, 7168)[0][1] == 65535  # grid.y capped; blocks loop over row tiles
     assert [mmajor_stride(m) for m in (1, 4, 5, 4097)] == [4, 4, 8, 4100]
@@ -133,6 +135,21 @@ def test_strided_input_rows(rng):
     view = DeviceArray(dev.ptr + 256 * 2, (50, 520), "bf16", strides=(1024, 1), owner=dev)
     _check(ck.quantize_fp8_per_token, ref.quantize_per_token, big[:, 256:776], view)
     _check(ck.quantize_fp8_per_block, ref.quantize_per_block, big[:, 256:776], view)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_per_token_row_tile_loop(rng, monkeypatch, dtype):
+    """Blocks loop over row tiles when M needs more than grid.y allows (M > 65535 x rows per block); a small cap
+    exercises that path on a small M."""
+    from cudart_kernels.ops import quantize as qm
+
+    monkeypatch.setattr(qm, "MAX_GRID_Y", 3)
+    monkeypatch.setattr(qm, "_plans", {})
+    x = ref.random_activations(rng, 1000, 264, ck.runtime.dtypes.as_dtype(dtype).numpy)
+    assert qm.token_grid(ck.runtime.dtypes.as_dtype(dtype), 1000, 264)[0][1] == 3
+    q, s = _poisoned_outputs(1000, 264, 1, 128)
+    _check(ck.quantize_fp8_per_token, ref.quantize_per_token, x, DeviceArray.from_numpy(x), out=q, out_scales=s)
 
 
 @pytest.mark.gpu

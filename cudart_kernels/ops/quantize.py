@@ -16,6 +16,7 @@ _KIND = {dt.bfloat16: "KIND_BF16", dt.float16: "KIND_FP16", dt.float32: "KIND_FP
 _INPUTS = tuple(_KIND)
 _ARGS = ("ptr", "i64", "ptr", "i64", "ptr", "i64", "i64", "i32", "i32")
 _TOKEN_ARGS = _ARGS + ("i32",)
+MAX_GRID_Y = 65535  # per-token blocks beyond it loop over row tiles
 _MAX_ROWS = 65535 * GROUP  # per-block grid y (row blocks) <= 65535; per-token rows fit int32 too
 
 
@@ -24,13 +25,23 @@ def _vec(dtype) -> int:
 
 
 def token_grid(dtype, m: int, k: int, threads: int = THREADS, unroll: int = UNROLL):
-    """Per-token launch shape: (grid, log2 of groups per block). A block spans up to `slots` consecutive groups
-    (fewer when the row has fewer) and (slots / groups-per-block) * unroll rows."""
+    """Per-token launch shape: (grid, log2 of groups per block).
+
+    A block spans gpb consecutive groups (a power of two up to `slots`) of (slots / gpb) * unroll rows. gpb is the
+    one that leaves the fewest idle group slots in the last block column (K=7168: 56 groups -> 8 per block, not
+    16 with half a column idle), preferring wider spans on ties; spans under 4 groups only when the row is short.
+    """
     slots = threads // (GROUP // _vec(dtype))
     g = -(-k // GROUP)
-    log2_gpb = min(slots.bit_length() - 1, max(0, (g - 1).bit_length()))
+    widest = min(slots.bit_length() - 1, max(0, (g - 1).bit_length()))
+    narrowest = min(widest, 2)
+
+    def idle(log2):
+        return -(-g // (1 << log2)) * (1 << log2) - g
+
+    log2_gpb = min(range(narrowest, widest + 1), key=lambda l2: (idle(l2) / g, -l2))
     rows = (slots >> log2_gpb) * unroll
-    return (-(-g // (1 << log2_gpb)), max(1, min(-(-m // rows), 65535)), 1), log2_gpb
+    return (-(-g // (1 << log2_gpb)), max(1, min(-(-m // rows), MAX_GRID_Y)), 1), log2_gpb
 
 
 def mmajor_stride(m: int) -> int:
