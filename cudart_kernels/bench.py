@@ -134,10 +134,6 @@ def run(ops: list[str], json_path: str | None = None, quick: bool = False, devic
     return rows
 
 
-def random_device(rng, shape, dtype, device: int = 0) -> DeviceArray:
-    return DeviceArray.from_numpy(rng.standard_normal(shape, dtype=np.float32), dtype, device)
-
-
 # ---- per-op benchmark sets --------------------------------------------------------------------------------------
 
 def _torch_quant(torch, x, block_rows: int):

@@ -81,3 +81,14 @@ def test_compile_leaves_interpreter_bytes_intact():
     cubin, log = _nvrtc_compile('extern "C" __global__ void k(int* p) { *p = 1; }', "k.cu", ["-arch=sm_90a"])
     assert cubin[:4] == b"\x7fELF" and log == ""
     assert b" " * 1 == bytes([32]) and " ".encode() == b"\x20"
+
+
+def test_smem_stages_budget():
+    from cudart_kernels.runtime.driver import H100, smem_stages
+
+    assert H100.smem_per_block_optin == 232448
+    assert smem_stages(32768, 1024, H100.smem_per_block_optin) == 7
+    assert smem_stages(32768, 1024, H100.smem_per_block_optin, max_stages=4) == 4
+    assert smem_stages(300000, 0, H100.smem_per_block_optin) == 0
+    with pytest.raises(ValueError):
+        smem_stages(0, 0, 1000)

@@ -56,3 +56,22 @@ def test_launcher_errors(probe):
     too_big = Launcher(probe, ["i32", "i64", "f32", "ptr", "tmap", "u32"], (2048,))  # > 1024 threads a block
     with pytest.raises(driver.CudaError, match="INVALID_VALUE"):
         too_big((1, 1, 1), 0, 1, 2, 3.0, 0, encode_tensor_map("bf16", 0x10000000, [64], [], [64]), 1)
+
+
+def test_driver_agrees_with_cubin_report(probe):
+    """The compile report (read from the cubin) matches what the driver says about the loaded function."""
+    r = probe.compiled.report
+    assert probe.attribute("num_regs") == r.registers
+    assert probe.attribute("local_size_bytes") == r.stack_bytes
+    assert probe.attribute("shared_size_bytes") == r.static_smem
+
+
+@pytest.mark.parametrize("cluster,pdl", [((2, 1, 1), False), (None, True), ((2, 1, 1), True)])
+def test_cluster_and_pdl_launches(probe, cluster, pdl):
+    out = DeviceArray.empty((21,), "int64").fill_bytes(0)
+    buf = DeviceArray.empty((64, 256), "bf16")
+    tm = encode_tensor_map("bf16", buf.ptr, [256, 64], [512], [64, 32])
+    lau = Launcher(probe, ["i32", "i64", "f32", "ptr", "tmap", "u32"], (32,), cluster=cluster, pdl=pdl)
+    lau((4, 1, 1), 0, 5, 6, 7.0, out.ptr, tm, 8)
+    got = out.numpy()
+    assert got[0] == 5 and got[1] == 6 and got[3] == 8 and got[20] == 4001001
