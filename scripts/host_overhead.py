@@ -1,28 +1,13 @@
 """Where the host time of one op call goes (cached config): raw cuLaunchKernelEx, our prepared Launcher, the
 whole op with DeviceArray and with torch operands. Median of batch means, several rounds to show the spread."""
-import statistics
-import time
-
 import numpy as np
 from cuda.bindings import driver as cu
 
 import cudart_kernels as ck
+from cudart_kernels.bench import host_overhead_us
 from cudart_kernels.ops import quantize as qm
-from cudart_kernels.runtime.driver import check, use_device
+from cudart_kernels.runtime.driver import use_device
 from cudart_kernels.runtime.interop import DeviceArray
-
-
-def per_call_us(fn, n=200, batches=30):
-    for _ in range(200):
-        fn()
-    out = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - t0) / n * 1e6)
-        check(cu.cuCtxSynchronize())
-    return statistics.median(out)
 
 
 def main():
@@ -46,7 +31,7 @@ def main():
         cases["as_array(torch tensor)"] = lambda: ck.as_array(tx)
     except ImportError:
         pass
-    rounds = {name: [per_call_us(f) for _ in range(3)] for name, f in cases.items()}
+    rounds = {name: [host_overhead_us(f) for _ in range(3)] for name, f in cases.items()}
     print("| call | median us (3 rounds) |\n|---|---|")
     for name, r in rounds.items():
         print(f"| {name} | {' / '.join(f'{v:.2f}' for v in r)} |")
