@@ -175,7 +175,7 @@ def bench_quant(quick: bool = False, device: int = 0) -> list[Row]:
                 row.peer = "torch eager recipe"
                 row.peer_us = time_us(lambda i: _torch_quant(torch, ts[i], g_rows), n)
             rows.append(row)
-            del xs, outs
+            xs = outs = None  # free this shape's buffers before the next
     # Host overhead: Python call to launch return, cached config, preallocated outputs.
     x = DeviceArray.from_numpy(rng.standard_normal((128, 7168), dtype=np.float32), "bf16", device)
     q, s = quantize_fp8_per_token(x)

@@ -66,7 +66,7 @@ def main():
             gbps = nbytes / us / 1e3
             rows.append(f"| {kind} | {dtype.name} {m}x{k} | {threads} | {unroll} | {waves or '-'} | "
                         f"{'ok' if ok else 'WRONG'} | {us:.1f} | {gbps:.0f} | {100 * gbps / copy:.0f}% |")
-        del xs, outs
+        xs = outs = None  # free this shape's buffers before the next
     print("| kernel | shape | threads | unroll | waves | bits | us | GB/s | % copy |\n"
           "|---|---|---:|---:|---:|---|---:|---:|---:|")
     print("\n".join(rows))

@@ -1,5 +1,4 @@
 """cuTensorMapEncodeTiled's documented rules, checked in Python (CPU); encoding itself on the GPU."""
-import numpy as np
 import pytest
 
 from cudart_kernels.runtime.tensormap import TensorMapCache, check_tensor_map, encode_tensor_map

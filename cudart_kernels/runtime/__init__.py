@@ -6,4 +6,11 @@ from .interop import DeviceArray, HostArrayError, as_array, require, same_device
 from .launch import Function, Launcher, get_launcher, load
 from .tensormap import TensorMap, TensorMapCache, check_tensor_map, encode_tensor_map
 
-__all__ = [n for n in dir() if not n.startswith("_")]
+__all__ = [
+    "CompileError", "CompileReport", "Compiled", "cache_dir", "compile_kernel", "nvrtc_version", "ptx_dir",
+    "CudaError", "DeviceProperties", "NoDeviceError", "check", "device_properties", "gpu_available", "require_gpu",
+    "smem_stages", "stream_handle", "target_arch", "use_device",
+    "DeviceArray", "HostArrayError", "as_array", "require", "same_device",
+    "Function", "Launcher", "get_launcher", "load",
+    "TensorMap", "TensorMapCache", "check_tensor_map", "encode_tensor_map",
+]

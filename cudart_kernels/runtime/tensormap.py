@@ -80,7 +80,7 @@ def check_tensor_map(dtype, address: int, dims, strides, box, swizzle: int = 128
     if l2_promotion not in _L2:
         raise ValueError(f"tensor map: l2_promotion must be one of {sorted(_L2)}")
     if oob_fill not in _FILL:
-        raise ValueError(f"tensor map: oob_fill must be 'zero' or 'nan'")
+        raise ValueError("tensor map: oob_fill must be 'zero' or 'nan'")
 
 
 class TensorMap:
