@@ -92,3 +92,20 @@ def test_smem_stages_budget():
     assert smem_stages(300000, 0, H100.smem_per_block_optin) == 0
     with pytest.raises(ValueError):
         smem_stages(0, 0, 1000)
+
+
+GEMM = [v for v in VARIANTS["gemm"]()]
+
+
+@pytest.mark.parametrize("variant", GEMM, ids=[str(v[2]) for v in GEMM])
+def test_gemm_sass_uses_tensor_cores(variant):
+    """The main GEMM kernel runs on wgmma (HGMMA in SASS) and touches no local memory (no LDL/STL)."""
+    import re
+
+    from cudart_kernels.runtime.cubin import sass
+
+    text = sass(compile_kernel(variant[0], variant[1], variant[2], "sm_90a").cubin)
+    bn = variant[2]["BN"]
+    assert re.search(rf"HGMMA\.64x{bn}x16\.F32\.BF16", text), "no HGMMA of the configured shape"
+    assert not re.search(r"\b(LDL|STL)\b", text), "local memory in SASS"
+    assert "UTMALDG" in text and "UTMASTG" in text  # TMA loads and stores

@@ -88,3 +88,31 @@ def resources(cubin: bytes, entry: str) -> dict:
         reserved = any(n.startswith(".nv.shared.reserved") for n in secs)
         smem = max(0, shared[2] - (_RESERVED_SMEM if reserved else 0))
     return {"registers": regs, "stack_bytes": frame or 0, "static_smem": smem}
+
+
+def nvdisasm_path() -> str | None:
+    """nvdisasm from the `nvidia-cuda-nvdisasm` wheel (test extra) or the PATH, if present."""
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("nvidia")
+    for loc in (spec.submodule_search_locations if spec else []):
+        for cand in sorted(Path(loc).glob("*/bin/nvdisasm")):
+            return str(cand)
+    return shutil.which("nvdisasm")
+
+
+def sass(cubin: bytes) -> str:
+    """Disassemble a cubin (no GPU needed). Raises FileNotFoundError when nvdisasm is not installed."""
+    import subprocess
+    import tempfile
+
+    tool = nvdisasm_path()
+    if tool is None:
+        raise FileNotFoundError("nvdisasm not found: pip install nvidia-cuda-nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True)
+    return out.stdout
