@@ -6,9 +6,34 @@
 // thread per consumer stores it with TMA, which overlaps the next tile's main loop. TMA zero-fills loads and
 // clips stores outside the tensor, so every M, N, K tail is handled in the kernel.
 //
-// Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64, 128, 192, 256), BN (8..256, step 8), STAGES.
+// Epilogues (EPI):
+// - EPI_STORE: D = acc (+ C), through shared memory and a TMA store.
+// - EPI_ACCUMULATE: D += acc for an fp32 D, through a TMA reduce-add (split-K partials add straight into D).
+// - EPI_SPLIT: split-K partials are reduce-added into a zeroed fp32 workspace W; the last split of each 64-row
+//   slice (a per-slice counter) writes D = W (+ C) and zeroes its part of W again, so W stays clean for the next
+//   call. Partials are published with a full bulk wait, a proxy fence and a gpu-scope release before the counter.
+// DETERMINISTIC: splits of a slice add in K order (a turnstile on the counter), so results are bitwise stable.
+// Work units are (tile, split) pairs, split fastest: a unit only ever waits on a unit with a smaller index, which
+// a resident CTA of this persistent grid has already started, so the turnstile cannot deadlock.
+//
+// Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64, 128, 192, 256), BN (8..256, step 8), STAGES, EPI,
+// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC.
 #include "common/sm90.cuh"
 #include "common/wgmma_ops.cuh"
+
+#define EPI_STORE 0
+#define EPI_ACCUMULATE 1
+#define EPI_SPLIT 2
+#define KIND_NONE -1
+#ifndef EPI
+#define EPI EPI_STORE
+#endif
+#ifndef C_KIND
+#define C_KIND KIND_NONE
+#endif
+#ifndef DETERMINISTIC
+#define DETERMINISTIC 0
+#endif
 
 #if IN_KIND == KIND_BF16
 typedef WgBf16 WgIn;
@@ -22,22 +47,55 @@ constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int OUT_BYTES = OUT_KIND == KIND_FP32 ? 4 : 2;
 constexpr int A_STAGE = BM * BK * 2;
 constexpr int B_STAGE = BN * BK * 2;
-constexpr int D_ROWS_BYTES = 64 * BN * OUT_BYTES;  // one consumer's part of the output tile
+constexpr int EPI_BYTES = EPI == EPI_STORE ? OUT_BYTES : 4;  // what the shared-memory output tile holds
+constexpr int D_ROWS_BYTES = 64 * BN * EPI_BYTES;  // one consumer's part of the output tile
 constexpr int ACC = BN / 2;                          // fp32 accumulators per thread for m64nBN
 constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : (CONSUMERS == 2 ? 232 : 160);
 static_assert(BN % 8 == 0 && BN >= 8 && BN <= 256, "BN must be a multiple of 8 in 8..256");
 static_assert(BM % 64 == 0 && BM >= 64 && BM <= 256, "BM must be 64, 128, 192 or 256");
 
-// Shared memory (from a 1024-byte aligned base): A stages | B stages | D tile | full barriers | empty barriers.
+// Shared memory (from a 1024-byte aligned base):
+// A stages | B stages | output tile | full barriers | empty barriers | one flag per consumer.
 constexpr int SMEM_B = STAGES * A_STAGE;
 constexpr int SMEM_D = SMEM_B + STAGES * B_STAGE;
 constexpr int SMEM_BARS = SMEM_D + CONSUMERS * D_ROWS_BYTES;
-constexpr int SMEM_BYTES = SMEM_BARS + 2 * STAGES * 8;
+constexpr int SMEM_FLAGS = SMEM_BARS + 2 * STAGES * 8;
+constexpr int SMEM_BYTES = SMEM_FLAGS + 16;
+constexpr bool COUNTED = EPI == EPI_SPLIT || (EPI == EPI_ACCUMULATE && DETERMINISTIC);
 
 __device__ __forceinline__ void tile_coords(int tile, int tiles_m, int& m0, int& n0) {
   m0 = (tile % tiles_m) * BM;
   n0 = (tile / tiles_m) * BN;
+}
+
+template <int KIND>
+__device__ __forceinline__ float load_elem(const void* base, i64 idx) {
+  if constexpr (KIND == KIND_FP32) {
+    return reinterpret_cast<const float*>(base)[idx];
+  } else if constexpr (KIND == KIND_BF16) {
+    return __uint_as_float(u32(reinterpret_cast<const u16*>(base)[idx]) << 16);
+  } else {
+    float f;
+    asm("{\n\t.reg .f16 h;\n\tmov.b16 h, %1;\n\tcvt.f32.f16 %0, h;\n\t}"
+        : "=f"(f) : "h"(reinterpret_cast<const u16*>(base)[idx]));
+    return f;
+  }
+}
+
+template <int KIND>
+__device__ __forceinline__ void store_elem(void* base, i64 idx, float v) {
+  if constexpr (KIND == KIND_FP32) {
+    reinterpret_cast<float*>(base)[idx] = v;
+  } else if constexpr (KIND == KIND_BF16) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+    reinterpret_cast<u16*>(base)[idx] = r;
+  } else {
+    u16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+    reinterpret_cast<u16*>(base)[idx] = r;
+  }
 }
 
 __device__ __forceinline__ u32 pack_out(float a, float b) {
@@ -50,16 +108,21 @@ __device__ __forceinline__ u32 pack_out(float a, float b) {
 #endif
 }
 
+// tm_out: EPI_STORE the D map (out dtype), EPI_ACCUMULATE the fp32 D map, EPI_SPLIT the fp32 workspace map; all
+// with box {BN, 64}. d / ld_d: D for the split-K finalisation; w / ld_w: the workspace; c / ld_c: C (or null);
+// counters: one int per 64-row slice of every tile, zero between launches.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     const __grid_constant__ CUtensorMap_st tm_a, const __grid_constant__ CUtensorMap_st tm_b,
-    const __grid_constant__ CUtensorMap_st tm_d, int M, int N, int K) {
+    const __grid_constant__ CUtensorMap_st tm_out, void* d, i64 ld_d, float* w, i64 ld_w, const void* c_ptr,
+    i64 ld_c, int* counters, int M, int N, int K, int splits) {
   extern __shared__ u8 smem_raw[];
   u8* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   u64* full = reinterpret_cast<u64*>(smem + SMEM_BARS);
   u64* empty = full + STAGES;
+  int* flags = reinterpret_cast<int*>(smem + SMEM_FLAGS);
 
   const int tiles_m = (M + BM - 1) / BM;
-  const int tiles = tiles_m * ((N + BN - 1) / BN);
+  const int units = tiles_m * ((N + BN - 1) / BN) * splits;
   const int k_blocks = (K + BK - 1) / BK;
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
@@ -72,7 +135,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     fence_barrier_init();
     tma_prefetch_map(&tm_a);
     tma_prefetch_map(&tm_b);
-    tma_prefetch_map(&tm_d);
+    tma_prefetch_map(&tm_out);
   }
   __syncthreads();
 
@@ -82,10 +145,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     if (tid != 0) return;
     int s = 0;
     u32 phase = 0;
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
       int m0, n0;
-      tile_coords(tile, tiles_m, m0, n0);
-      for (int kb = 0; kb < k_blocks; ++kb) {
+      tile_coords(unit / splits, tiles_m, m0, n0);
+      const int split = unit % splits;
+      for (int kb = split * k_blocks / splits; kb < (split + 1) * k_blocks / splits; ++kb) {
         mbar_wait(&empty[s], phase ^ 1);
         mbar_arrive_expect_tx(&full[s], A_STAGE + B_STAGE);
         tma_load_2d(smem + s * A_STAGE, &tm_a, &full[s], kb * BK, m0);
@@ -107,17 +171,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
 
   int s = 0;
   u32 phase = 0;
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const int tile = unit / splits, split = unit % splits;
     int m0, n0;
     tile_coords(tile, tiles_m, m0, n0);
-    for (int kb = 0; kb < k_blocks; ++kb) {
+    const int kb0 = split * k_blocks / splits, kb1 = (split + 1) * k_blocks / splits;
+    for (int kb = kb0; kb < kb1; ++kb) {
       mbar_wait(&full[s], phase);
       const u64 da = wgmma_desc_sw128(smem + s * A_STAGE + c * 64 * 128);
       const u64 db = wgmma_desc_sw128(smem + SMEM_B + s * B_STAGE);
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < BK / 16; ++k)  // 16 elements = 32 bytes = 2 descriptor units along K
-        Wgmma<WgIn, BN>::template mma<0>(acc, da + 2 * k, db + 2 * k, (kb | k) != 0);
+        Wgmma<WgIn, BN>::template mma<0>(acc, da + 2 * k, db + 2 * k, (kb != kb0) || k != 0);
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(acc);
@@ -125,30 +191,94 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
       if (++s == STAGES) { s = 0; phase ^= 1; }
     }
 
-    // Epilogue: registers -> shared (row-major 64 x BN) -> TMA store. The previous tile's store must have
-    // finished reading this buffer first.
+    // Epilogue: registers -> shared (row-major 64 x BN) -> TMA store or reduce-add. The previous unit's TMA
+    // operation must have finished reading this buffer first.
+    const int row0 = m0 + c * 64;  // first row of this consumer's slice
     if (tid == 0) bulk_wait_read<0>();
     named_barrier(1 + c, 128);
     const int r = warp * 16 + lane / 4;
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i) {
       const int col = i * 8 + (lane % 4) * 2;
-#if OUT_KIND == KIND_FP32
+      float v[4] = {acc[4 * i + 0], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]};
+#if EPI == EPI_STORE && C_KIND != KIND_NONE
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int gr = row0 + r + 8 * h, gc = n0 + col;
+        if (gr < M && gc < N) {  // N is even, so gc + 1 < N too
+          v[2 * h] += load_elem<C_KIND>(c_ptr, gr * ld_c + gc);
+          v[2 * h + 1] += load_elem<C_KIND>(c_ptr, gr * ld_c + gc + 1);
+        }
+      }
+#endif
+#if EPI == EPI_STORE && OUT_KIND != KIND_FP32
+      *reinterpret_cast<u32*>(d_smem + (r * BN + col) * 2) = pack_out(v[0], v[1]);
+      *reinterpret_cast<u32*>(d_smem + ((r + 8) * BN + col) * 2) = pack_out(v[2], v[3]);
+#else
       float* p0 = reinterpret_cast<float*>(d_smem + (r * BN + col) * 4);
       float* p1 = reinterpret_cast<float*>(d_smem + ((r + 8) * BN + col) * 4);
-      p0[0] = acc[4 * i + 0]; p0[1] = acc[4 * i + 1];
-      p1[0] = acc[4 * i + 2]; p1[1] = acc[4 * i + 3];
-#else
-      *reinterpret_cast<u32*>(d_smem + (r * BN + col) * 2) = pack_out(acc[4 * i + 0], acc[4 * i + 1]);
-      *reinterpret_cast<u32*>(d_smem + ((r + 8) * BN + col) * 2) = pack_out(acc[4 * i + 2], acc[4 * i + 3]);
+      p0[0] = v[0]; p0[1] = v[1];
+      p1[0] = v[2]; p1[1] = v[3];
 #endif
     }
     fence_proxy_async_smem();
     named_barrier(1 + c, 128);
+#if EPI == EPI_STORE
     if (tid == 0) {
-      tma_store_2d(&tm_d, d_smem, n0, m0 + c * 64);
+      tma_store_2d(&tm_out, d_smem, n0, row0);
       bulk_commit();
     }
+#else
+    const int slice = tile * CONSUMERS + c;
+    if (tid == 0) {
+      if (DETERMINISTIC && splits > 1) {
+        while (load_acquire_gpu(&counters[slice]) != split) {
+        }
+      }
+      tma_reduce_add_2d(&tm_out, d_smem, n0, row0);
+      bulk_commit();
+      if (COUNTED && splits > 1) {
+        bulk_wait<0>();  // the partial is in global memory, not just read out of shared memory
+        fence_proxy_async_global();
+        fence_acq_rel_gpu();
+        bool last;
+        if (DETERMINISTIC) {
+          last = split == splits - 1;
+          if (!last) store_release_gpu(&counters[slice], split + 1);
+        } else {
+          last = atomic_add_relaxed_gpu(&counters[slice], 1) == splits - 1;
+        }
+        if (last) {
+          fence_acq_rel_gpu();
+          fence_proxy_async_global();
+        }
+        flags[c] = last;
+      }
+    }
+#if EPI == EPI_SPLIT
+    if (splits > 1) {
+      named_barrier(1 + c, 128);  // every thread sees flags[c], after tid 0's acquire
+      if (flags[c]) {
+        // D = W (+ C) for this slice, then zero the slice of W and the counter for the next launch.
+        for (int i = tid; i < 64 * BN; i += 128) {
+          const int gr = row0 + i / BN, gc = n0 + i % BN;
+          if (gr < M && gc < N) {
+            float* wp = w + gr * ld_w + gc;
+            float v = ld_cg_f32(wp);
+#if C_KIND != KIND_NONE
+            v += load_elem<C_KIND>(c_ptr, gr * ld_c + gc);
+#endif
+            store_elem<OUT_KIND>(d, gr * ld_d + gc, v);
+            *wp = 0.f;
+          }
+        }
+        if (tid == 0) counters[slice] = 0;
+      }
+    }
+#else
+    if (DETERMINISTIC && splits > 1 && tid == 0 && flags[c]) counters[slice] = 0;
+#endif
+#endif
   }
   if (tid == 0) bulk_wait<0>();
 }

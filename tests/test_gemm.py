@@ -16,21 +16,33 @@ def fake(shape, dtype, strides=None, offset=0):
 
 @pytest.mark.parametrize("shape", g.BENCH_SHAPES["large"] + g.BENCH_SHAPES["skinny"] + [(1, 8, 8), (17, 24, 40)])
 @pytest.mark.parametrize("out_bytes", [2, 4])
-def test_config_fits_and_matches_the_kernel_layout(shape, out_bytes):
+@pytest.mark.parametrize("split_k", [None, 1, 7])
+def test_config_fits_and_matches_the_kernel_layout(shape, out_bytes, split_k):
     m, n, k = shape
-    cfg = g.pick_config(m, n, k, out_bytes, H100)
+    cfg = g.pick_config(m, n, k, out_bytes, H100, split_k)
     assert cfg.bm in (64, 128) and cfg.bn % 8 == 0 and 8 <= cfg.bn <= 256
     assert 2 <= cfg.stages <= g.MAX_STAGES
-    assert cfg.smem == g.smem_bytes(cfg.bm, cfg.bn, cfg.stages, out_bytes) <= H100.smem_per_block_optin
-    assert g.smem_bytes(cfg.bm, cfg.bn, cfg.stages + 1, out_bytes) > H100.smem_per_block_optin or \
+    epi = 4 if cfg.splits > 1 else out_bytes
+    assert cfg.smem == g.smem_bytes(cfg.bm, cfg.bn, cfg.stages, epi) <= H100.smem_per_block_optin
+    assert g.smem_bytes(cfg.bm, cfg.bn, cfg.stages + 1, epi) > H100.smem_per_block_optin or \
         cfg.stages == g.MAX_STAGES  # as many stages as fit
+    k_blocks = -(-k // g.BK)
+    assert 1 <= cfg.splits <= k_blocks  # never an empty split
+    if split_k is not None:
+        assert cfg.splits == min(split_k, k_blocks)
 
 
 def test_config_choices():
-    assert g.pick_config(8192, 8192, 8192, 2, H100) == g.GemmConfig(128, 256, 3, g.smem_bytes(128, 256, 3, 2))
+    assert g.pick_config(8192, 8192, 8192, 2, H100) == g.GemmConfig(128, 256, 3, 1, g.smem_bytes(128, 256, 3, 2))
     assert g.pick_config(16, 4096, 8192, 2, H100).bm == 64  # small M: one consumer warpgroup
     # 4096x2112: 32 row blocks; BN=176 gives 12 column blocks = 384 tiles = 3 waves, nearly full (2.9)
     assert g.pick_config(4096, 2112, 7168, 2, H100).bn == 176
+    # few tiles, long K: split
+    assert g.pick_config(128, 128, 65536, 2, H100).splits >= 16
+    assert g.pick_config(256, 256, 32768, 2, H100).splits >= 8
+    # enough tiles: no split
+    for m, n, k in g.BENCH_SHAPES["large"]:
+        assert g.pick_config(m, n, k, 2, H100).splits == 1
 
 
 def test_validation_before_launch():
@@ -51,6 +63,10 @@ def test_validation_before_launch():
         ck.gemm(a, b, b_layout="kn")
     with pytest.raises(TypeError, match="host"):
         ck.gemm(np.ones((64, 128), np.float32), b)
+    with pytest.raises(ValueError, match="split_k"):
+        ck.gemm(a, b, out=fake((64, 256), "bf16"), split_k=0)
+    with pytest.raises(ValueError, match=r"c: expected shape \(64, 256\)"):
+        ck.gemm(a, b, out=fake((64, 256), "bf16"), c=fake((64, 128), "bf16"))
 
 
 # ---- GPU -------------------------------------------------------------------------------------------------------
@@ -76,3 +92,74 @@ def test_gemm_matches_float64(rng, shape, dtype, out_dtype):
     assert np.isfinite(got).all(), f"{np.count_nonzero(~np.isfinite(got))} elements not written"
     err = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
     assert err <= (1e-4 if out_dtype == "fp32" else 1e-2), err
+
+
+def _check(got, ref, out_dtype):
+    got = got.astype(np.float64)
+    assert np.isfinite(got).all(), f"{np.count_nonzero(~np.isfinite(got))} elements not written"
+    err = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert err <= (1e-4 if out_dtype in ("fp32", "float32") else 1e-2), err
+
+
+SPLIT_SHAPES = [(1, 8, 1024), (17, 136, 2000), (100, 264, 4104), (128, 128, 8192), (300, 40, 3000)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("splits", [2, 3, 5, 8, 16])
+@pytest.mark.parametrize("out_dtype", ["bf16", "fp32"])
+def test_split_k_forced(rng, shape, splits, out_dtype):
+    m, n, k = shape
+    a, b = _rand(rng, (m, k), "bf16"), _rand(rng, (n, k), "bf16")
+    ref = a.astype(np.float64) @ b.astype(np.float64).T
+    for deterministic in (False, True):
+        out = DeviceArray.empty((m, n), out_dtype).fill_bytes(0xFF)
+        ck.gemm(DeviceArray.from_numpy(a), DeviceArray.from_numpy(b), out=out, split_k=splits,
+                deterministic=deterministic)
+        _check(out.numpy(), ref, out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(128, 128, 65536), (256, 256, 32768), (16, 1280, 8192)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_split_k_heuristic_and_deterministic_bitwise(rng, shape):
+    m, n, k = shape
+    assert g.pick_config(m, n, k, 2, g.device_properties(0)).splits > 1
+    a, b = _rand(rng, (m, k), "bf16"), _rand(rng, (n, k), "bf16")
+    da, db = DeviceArray.from_numpy(a), DeviceArray.from_numpy(b)
+    ref = a.astype(np.float64) @ b.astype(np.float64).T
+    out = DeviceArray.empty((m, n), "fp32")
+    first = ck.gemm(da, db, out=out, deterministic=True).numpy()
+    _check(first, ref, "fp32")
+    for _ in range(19):
+        out.fill_bytes(0xFF)
+        assert np.array_equal(ck.gemm(da, db, out=out, deterministic=True).numpy().view(np.uint32),
+                              first.view(np.uint32))
+    _check(ck.gemm(da, db, out=out).numpy(), ref, "fp32")  # arrival order: same function, maybe other bits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c_dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_c_is_added(rng, c_dtype, splits):
+    m, n, k = 130, 264, 1000
+    a, b = _rand(rng, (m, k), "bf16"), _rand(rng, (n, k), "bf16")
+    cm = _rand(rng, (m, n), c_dtype)
+    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
+    ck.gemm(DeviceArray.from_numpy(a), DeviceArray.from_numpy(b), out=out, c=DeviceArray.from_numpy(cm),
+            split_k=splits)
+    _check(out.numpy(), a.astype(np.float64) @ b.astype(np.float64).T + cm.astype(np.float64), "bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits,deterministic", [(1, False), (4, False), (4, True)])
+def test_accumulate_into_fp32_d_twice(rng, splits, deterministic):
+    m, n, k = 200, 136, 2048
+    a, b = _rand(rng, (m, k), "bf16"), _rand(rng, (n, k), "bf16")
+    d0 = rng.standard_normal((m, n)).astype(np.float32)
+    d = DeviceArray.from_numpy(d0)
+    da, db = DeviceArray.from_numpy(a), DeviceArray.from_numpy(b)
+    for _ in range(2):
+        assert ck.gemm(da, db, out=d, c=d, split_k=splits, deterministic=deterministic) is d
+    ab = a.astype(np.float64) @ b.astype(np.float64).T
+    _check(d.numpy(), d0.astype(np.float64) + 2 * ab, "fp32")

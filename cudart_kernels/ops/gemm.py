@@ -1,15 +1,17 @@
-"""BF16/FP16 GEMM on Hopper: D = A @ B^T with A [M, K], B [N, K] (16-bit), fp32 accumulation, D bf16/fp16/fp32.
+"""BF16/FP16 GEMM on Hopper: D = A @ B^T (+ C) with A [M, K], B [N, K] (16-bit), fp32 accumulation, D bf16, fp16
+or fp32; split-K through TMA reduce-add; D += A @ B^T in place for an fp32 D.
 
-Work in progress (issue 3): the persistent warp-specialised TMA + wgmma kernel for K-major B. Split-K, B as
-[K, N] (b_layout="kn") and C / accumulate-into-D come next; asking for them raises NotImplementedError.
+Work in progress (issue 3): B as [K, N] (b_layout="kn") comes next and raises NotImplementedError until then.
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
 
+from cuda.bindings import driver as cu
+
 from ..runtime import dtypes as dt
-from ..runtime.driver import DeviceProperties, device_properties, stream_handle
+from ..runtime.driver import DeviceProperties, check, device_properties, stream_handle
 from ..runtime.interop import DeviceArray, as_array, require
 from ..runtime.launch import get_launcher
 from ..runtime.tensormap import TensorMapCache
@@ -19,8 +21,17 @@ ALIGN_SLACK = 1024           # the kernel aligns its dynamic shared memory to 10
 _KIND = {dt.bfloat16: "KIND_BF16", dt.float16: "KIND_FP16", dt.float32: "KIND_FP32"}
 _INPUTS = (dt.bfloat16, dt.float16)
 _OUTPUTS = (dt.bfloat16, dt.float16, dt.float32)
-_ARGS = ("tmap", "tmap", "tmap", "i32", "i32", "i32")
+_ARGS = ("tmap", "tmap", "tmap", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i32", "i32", "i32", "i32")
 MAX_STAGES = 8
+MIN_SPLIT_STAGES = 3         # split-K configs keep at least this many stages
+MIN_KBLOCKS_PER_SPLIT = 4    # 256 k elements: below this the partial's reduce costs more than its math
+MAX_SPLITS = 128
+
+# Throughput model for choosing split-K (H100-class): per-SM dense bf16 rate, memory bandwidth, fixed costs.
+_SM_FLOPS = 790e12 / 132
+_BANDWIDTH = 3.0e12
+_L2_BANDWIDTH = 6.0e12
+_SPLIT_OVERHEAD_S = 2e-6     # counters, finalisation, the extra epilogue
 
 
 @dataclass(frozen=True)
@@ -28,6 +39,7 @@ class GemmConfig:
     bm: int
     bn: int
     stages: int
+    splits: int
     smem: int  # dynamic shared memory bytes, alignment slack included
 
     @property
@@ -35,48 +47,103 @@ class GemmConfig:
         return 128 * (self.bm // 64 + 1)
 
 
-def smem_bytes(bm: int, bn: int, stages: int, out_bytes: int) -> int:
-    """Mirror of ptx/gemm.cu's layout: A and B stages, the output tile, 2 barriers per stage, alignment slack."""
-    return stages * (bm + bn) * BK * 2 + bm * bn * out_bytes + 16 * stages + ALIGN_SLACK
+def smem_bytes(bm: int, bn: int, stages: int, epi_bytes: int) -> int:
+    """Mirror of ptx/gemm.cu's layout: A and B stages, the output tile, 2 barriers per stage, flags, slack."""
+    return stages * (bm + bn) * BK * 2 + bm * bn * epi_bytes + 16 * stages + 16 + ALIGN_SLACK
 
 
-def max_stages(bm: int, bn: int, out_bytes: int, budget: int) -> int:
-    fixed = bm * bn * out_bytes + ALIGN_SLACK
+def max_stages(bm: int, bn: int, epi_bytes: int, budget: int) -> int:
+    fixed = bm * bn * epi_bytes + 16 + ALIGN_SLACK
     per_stage = (bm + bn) * BK * 2 + 16
     return min(MAX_STAGES, (budget - fixed) // per_stage)
 
 
-def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties) -> GemmConfig:
-    """Block shape by wave count and last-wave utilisation (the DeepGEMM approach), stages from the smem budget.
+def _bn_candidates(n: int) -> list[int]:
+    cands = set(range(16, 257, 16))
+    if n <= 256:
+        cands.add(-(-n // 8) * 8)
+    return sorted(b for b in cands if b <= max(16, 8 * -(-n // 8)))
 
-    BM is 64 for M <= 64 (one consumer warpgroup), else 128. BN runs over multiples of 16 up to 256 (and N itself,
-    rounded up to 8, when N is small); fewer waves win, then a fuller last wave, then the larger tile.
+
+def _split_time(m, n, k, bm, bn, splits, props) -> float:
+    """Rough seconds for a split-K config: the slower of math and operand traffic, plus the partials' traffic."""
+    tiles_m, tiles_n = -(-m // bm), -(-n // bn)
+    units = tiles_m * tiles_n * splits
+    waves = -(-units // props.sm_count)
+    kspan = -(-k // splits)
+    math = waves * 2 * bm * bn * kspan / (_SM_FLOPS * bn / (bn + 32))
+    active = min(units, props.sm_count) / props.sm_count
+    # Operands: each byte from DRAM once (units sharing a k-range run together, so re-reads hit L2), and every
+    # unit's (BM + BN) x K stream from L2 into shared memory.
+    dram = (m + n) * k * 2 / (_BANDWIDTH * min(1.0, 2 * active))
+    fill = tiles_m * tiles_n * (bm + bn) * k * 2 / (_L2_BANDWIDTH * active)
+    operands = max(dram, fill)
+    partials = splits * tiles_m * bm * n * 4 * 2 / _BANDWIDTH if splits > 1 else 0.0
+    return max(math, operands) + partials + (_SPLIT_OVERHEAD_S if splits > 1 else 0.0)
+
+
+def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, split_k: int | None = None,
+                accumulate: bool = False) -> GemmConfig:
+    """Block shape, stages and split-K count.
+
+    Without split-K (enough tiles to fill the GPU, or split_k=1): BM is 64 for M <= 64, else 128; BN runs over
+    multiples of 16 up to 256 (and N rounded up to 8 when N is small); fewer waves win, then a fuller last wave,
+    then the larger tile (the DeepGEMM approach). When the tiles do not fill the GPU, (BN, splits) pairs are
+    compared with a throughput model (`_split_time`). `split_k` forces the count. Stages fill the smem budget.
     """
     bm = 64 if m <= 64 else 128
-    tiles_m = -(-m // bm)
-    candidates = set(range(16, 257, 16))
-    if n <= 256:
-        candidates.add(-(-n // 8) * 8)
-    best = None
-    for bn in sorted(candidates):
-        if bn > 8 * -(-n // 8) and bn != 16:
-            continue  # wider than N (rounded up to 8) only wastes work
-        if max_stages(bm, bn, out_bytes, props.smem_per_block_optin) < 2:
-            continue
-        tiles = tiles_m * -(-n // bn)
-        waves = -(-tiles // props.sm_count)
-        last = tiles - (waves - 1) * props.sm_count
-        key = (waves, -last / props.sm_count, -bn)
-        if best is None or key < best[0]:
-            best = (key, bn)
-    bn = best[1]
-    stages = max_stages(bm, bn, out_bytes, props.smem_per_block_optin)
-    return GemmConfig(bm, bn, stages, smem_bytes(bm, bn, stages, out_bytes))
+    k_blocks = -(-k // BK)
+    budget = props.smem_per_block_optin
+    epi_plain = 4 if accumulate else out_bytes
+
+    def no_split():
+        best = None
+        for bn in _bn_candidates(n):
+            if max_stages(bm, bn, epi_plain, budget) < 2:
+                continue
+            tiles = -(-m // bm) * -(-n // bn)
+            waves = -(-tiles // props.sm_count)
+            last = tiles - (waves - 1) * props.sm_count
+            key = (waves, -last / props.sm_count, -bn)
+            if best is None or key < best[0]:
+                best = (key, bn)
+        return best[1]
+
+    if split_k is not None:
+        splits = max(1, min(int(split_k), k_blocks))
+    else:
+        splits = 1
+    if split_k is None and -(-m // bm) * -(-n // no_split()) < props.sm_count and k_blocks >= 2 * MIN_KBLOCKS_PER_SPLIT:
+        best = None
+        for bn in _bn_candidates(n):
+            if max_stages(bm, bn, 4, budget) < MIN_SPLIT_STAGES:
+                continue
+            tiles = -(-m // bm) * -(-n // bn)
+            top = min(MAX_SPLITS, k_blocks // MIN_KBLOCKS_PER_SPLIT, max(1, 2 * props.sm_count // tiles))
+            for sp in range(1, top + 1):
+                t = _split_time(m, n, k, bm, bn, sp, props)
+                if best is None or t < best[0]:
+                    best = (t, bn, sp)
+        _, bn, splits = best
+    elif splits > 1:  # forced count: fewest waves of units, then the larger tile
+        fits = [b for b in _bn_candidates(n) if max_stages(bm, b, 4, budget) >= 2]
+        bn = min(fits, key=lambda b: (-(-(-(-m // bm) * -(-n // b) * splits) // props.sm_count), -b))
+    else:
+        bn = no_split()
+    epi = 4 if (splits > 1 or accumulate) else out_bytes
+    stages = max_stages(bm, bn, epi, budget)
+    return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi))
 
 
-def _defines(in_dtype, out_dtype, cfg: GemmConfig) -> dict:
-    return {"IN_KIND": _KIND[in_dtype], "OUT_KIND": _KIND[out_dtype], "BM": cfg.bm, "BN": cfg.bn,
-            "STAGES": cfg.stages}
+def _defines(in_dtype, out_dtype, cfg: GemmConfig, epi: str = "EPI_STORE", c_dtype=None,
+             deterministic: bool = False) -> dict:
+    d = {"IN_KIND": _KIND[in_dtype], "OUT_KIND": _KIND[out_dtype], "BM": cfg.bm, "BN": cfg.bn,
+         "STAGES": cfg.stages, "EPI": epi}
+    if c_dtype is not None:
+        d["C_KIND"] = _KIND[c_dtype]
+    if deterministic:
+        d["DETERMINISTIC"] = 1
+    return d
 
 
 BENCH_SHAPES = {
@@ -88,48 +155,88 @@ BENCH_SHAPES = {
 
 
 def variants():
-    """Every kernel variant the heuristic picks for the benchmark shapes (bf16 in; bf16 and fp32 out)."""
+    """Every kernel variant the heuristic picks for the benchmark shapes (bf16 in; bf16 and fp32 out; plain,
+    split-K, deterministic split-K, accumulate into fp32 D)."""
     from ..runtime.driver import H100
 
     seen = {}
+
+    def add(cfg, epi, out, deterministic=False):
+        d = _defines(dt.bfloat16, out, cfg, epi, deterministic=deterministic)
+        seen[tuple(sorted(d.items()))] = ("gemm.cu", "gemm_kernel", d, cfg.smem)
+
     for shapes in BENCH_SHAPES.values():
         for m, n, k in shapes:
             for out in (dt.bfloat16, dt.float32):
                 cfg = pick_config(m, n, k, out.itemsize, H100)
-                d = _defines(dt.bfloat16, out, cfg)
-                seen[tuple(sorted(d.items()))] = ("gemm.cu", "gemm_kernel", d, cfg.smem)
+                if cfg.splits > 1:
+                    add(cfg, "EPI_SPLIT", out)
+                    add(cfg, "EPI_SPLIT", out, deterministic=True)
+                else:
+                    add(cfg, "EPI_STORE", out)
+    m, n, k = 4096, 4096, 7168  # the accumulate-into-fp32 benchmark
+    add(pick_config(m, n, k, 4, H100, accumulate=True), "EPI_ACCUMULATE", dt.float32)
     return list(seen.values())
 
 
-class _Maps(threading.local):
+class _PerThread(threading.local):
     def __init__(self):
-        self.cache = TensorMapCache()
+        self.maps = TensorMapCache()
 
 
-_maps = _Maps()
+_local = _PerThread()
 _plans: dict = {}
 
 
-def _plan(av, bv, dv, props):
-    m, k = av.shape
-    n = bv.shape[0]
-    cfg = pick_config(m, n, k, dv.dtype.itemsize, props)
-    launch = get_launcher("gemm.cu", "gemm_kernel", _defines(av.dtype, dv.dtype, cfg), av.device, _ARGS,
-                          (cfg.threads,), cfg.smem)
-    tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
-    grid = (max(1, min(tiles, props.sm_count)), 1, 1)
-    return cfg, launch, grid
+class _Workspace:
+    """Split-K scratch per (device, stream): an fp32 buffer and int32 counters, zero between launches (the kernel
+    re-zeroes what it used). Grown on demand; growing is not possible while a stream captures a CUDA graph."""
+
+    def __init__(self):
+        self.w = None
+        self.counters = None
+
+    def ensure(self, w_elems: int, n_counters: int, device: int, stream) -> None:
+        h = stream_handle(stream)
+        if self.w is None or self.w.size < w_elems:
+            self.w = DeviceArray.empty((max(w_elems, 1 << 20),), dt.float32, device, stream)
+            check(cu.cuMemsetD32Async(self.w.ptr, 0, self.w.size, h))
+        if self.counters is None or self.counters.size < n_counters:
+            self.counters = DeviceArray.empty((max(n_counters, 4096),), dt.int32, device, stream)
+            check(cu.cuMemsetD32Async(self.counters.ptr, 0, self.counters.size, h))
+
+
+_workspaces: dict = {}
+_ws_lock = threading.Lock()
+
+
+def _workspace(device: int, h: int) -> _Workspace:
+    ws = _workspaces.get((device, h))
+    if ws is None:
+        with _ws_lock:
+            ws = _workspaces.setdefault((device, h), _Workspace())
+    return ws
+
+
+def _same_memory(x: DeviceArray, y: DeviceArray) -> bool:
+    return x.ptr == y.ptr and x.shape == y.shape and x.strides == y.strides and x.dtype is y.dtype
 
 
 def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, deterministic: bool = False,
          out_dtype=None, stream=None):
-    """D = A @ B^T: A [M, K], B [N, K], both bf16 or both fp16; D [M, N] in `out`'s dtype (or `out_dtype`, default
-    the input dtype). Rows must be 16-byte aligned (K and N multiples of 8 for 16-bit data, N a multiple of 4
-    for fp32 D); every M, N, K tail is handled by the kernel. Returns `out` (allocated when None)."""
+    """D = A @ B^T (+ C).
+
+    A [M, K] and B [N, K], both bf16 or both fp16, fp32 accumulation. D [M, N] in `out`'s dtype (or `out_dtype`,
+    default the input dtype): bf16, fp16 or fp32. `c` [M, N] (bf16, fp16 or fp32) is added; with `c is out` and
+    an fp32 `out`, D += A @ B^T accumulates in place through TMA reduce-add. `split_k` forces the split count
+    (None: the heuristic decides; 1: off); `deterministic=True` makes split-K bitwise reproducible (K order).
+    Rows must be 16-byte aligned (K and N multiples of 8 for 16-bit data); every M, N, K tail is handled in the
+    kernel. Runs on `stream`; returns `out` (allocated when None).
+    """
     if b_layout != "nk":
         raise NotImplementedError("b_layout='kn' is not implemented yet (issue 3 in progress)")
-    if c is not None or split_k not in (None, 1) or deterministic:
-        raise NotImplementedError("c=, split_k and deterministic are not implemented yet (issue 3 in progress)")
+    if split_k is not None and (int(split_k) != split_k or split_k < 1):
+        raise ValueError(f"split_k must be a positive integer or None, got {split_k!r}")
     h = stream_handle(stream)
     av = require(as_array(a, h), "a", dtypes=_INPUTS, ndim=2)
     bv = require(as_array(b, h), "b", dtypes=_INPUTS, ndim=2)
@@ -139,8 +246,6 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
     n, kb = bv.shape
     if kb != k:
         raise ValueError(f"a is [M, K] = {av.shape} but b is [N, K] = {bv.shape}: K differs")
-    if bv.device != av.device:
-        raise ValueError(f"a is on cuda:{av.device} but b is on cuda:{bv.device}")
     if out is None:
         od = dt.as_dtype(out_dtype) if out_dtype is not None else av.dtype
         if od not in _OUTPUTS:
@@ -149,23 +254,62 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
     else:
         dv = as_array(out, h)
     require(dv, "out", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
-    if dv.device != av.device:
-        raise ValueError(f"out is on cuda:{dv.device} but a is on cuda:{av.device}")
+    cv = None
+    if c is not None:
+        cv = require(as_array(c, h), "c", dtypes=_OUTPUTS, ndim=2, shape=(m, n), align=4, row_align=0)
+    for name, x in (("b", bv), ("out", dv), ("c", cv)):
+        if x is not None and x.device != av.device:
+            raise ValueError(f"{name} is on cuda:{x.device} but a is on cuda:{av.device}")
+    accumulate = cv is not None and _same_memory(cv, dv) and dv.dtype is dt.float32
     if m == 0 or n == 0:
         return dv if out is None else out
     if k == 0:
         raise ValueError("K must be at least 1")
-    key = (av.shape, av.strides, av.dtype, bv.shape, bv.strides, dv.shape, dv.strides, dv.dtype, av.device)
+
+    key = (av.shape, av.strides, av.dtype, bv.shape, bv.strides, dv.shape, dv.strides, dv.dtype,
+           None if cv is None else (cv.strides, cv.dtype, accumulate), split_k, deterministic, av.device)
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) > 1024:
             _plans.clear()
-        plan = _plans[key] = _plan(av, bv, dv, device_properties(av.device))
-    cfg, launch, grid = plan
-    maps = _maps.cache
+        plan = _plans[key] = _plan(av, dv, cv, accumulate, split_k, deterministic,
+                                   device_properties(av.device))
+    cfg, epi, launch, grid = plan
+    maps = _local.maps
     it = av.dtype.itemsize
     tm_a = maps.get(av.dtype, av.ptr, [k, m], [av.strides[0] * it], [BK, cfg.bm], 128)
     tm_b = maps.get(bv.dtype, bv.ptr, [k, n], [bv.strides[0] * it], [BK, cfg.bn], 128)
-    tm_d = maps.get(dv.dtype, dv.ptr, [n, m], [dv.strides[0] * dv.dtype.itemsize], [cfg.bn, 64], 0)
-    launch(grid, h, tm_a, tm_b, tm_d, m, n, k)
+    w_ptr, ld_w, counters = 0, 0, 0
+    if epi == "EPI_SPLIT" or (epi == "EPI_ACCUMULATE" and deterministic and cfg.splits > 1):
+        ws = _workspace(av.device, h)
+        ld_w = -(-n // 4) * 4
+        ws.ensure(m * ld_w if epi == "EPI_SPLIT" else 0, -(-m // cfg.bm) * -(-n // cfg.bn) * (cfg.bm // 64),
+                  av.device, stream)
+        counters = ws.counters.ptr
+        if epi == "EPI_SPLIT":
+            w_ptr = ws.w.ptr
+    if epi == "EPI_SPLIT":
+        tm_out = maps.get(dt.float32, w_ptr, [n, m], [ld_w * 4], [cfg.bn, 64], 0)
+    else:
+        tm_out = maps.get(dv.dtype, dv.ptr, [n, m], [dv.strides[0] * dv.dtype.itemsize], [cfg.bn, 64], 0)
+    c_ptr, ld_c = (0, 0) if cv is None or accumulate else (cv.ptr, cv.strides[0])
+    launch(grid, h, tm_a, tm_b, tm_out, dv.ptr, dv.strides[0], w_ptr, ld_w, c_ptr, ld_c, counters, m, n, k,
+           cfg.splits)
     return dv if out is None else out
+
+
+def _plan(av, dv, cv, accumulate, split_k, deterministic, props):
+    m, k = av.shape
+    n = dv.shape[1]
+    cfg = pick_config(m, n, k, dv.dtype.itemsize, props, split_k, accumulate)
+    if accumulate:
+        epi = "EPI_ACCUMULATE"
+    elif cfg.splits > 1:
+        epi = "EPI_SPLIT"
+    else:
+        epi = "EPI_STORE"
+    c_dtype = cv.dtype if (cv is not None and not accumulate) else None
+    defines = _defines(av.dtype, dv.dtype, cfg, epi, c_dtype, deterministic and cfg.splits > 1)
+    launch = get_launcher("gemm.cu", "gemm_kernel", defines, av.device, _ARGS, (cfg.threads,), cfg.smem)
+    units = -(-m // cfg.bm) * -(-n // cfg.bn) * cfg.splits
+    return cfg, epi, launch, (max(1, min(units, props.sm_count)), 1, 1)
