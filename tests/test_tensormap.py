@@ -43,9 +43,11 @@ def test_encode_and_repoint_on_gpu():
     assert len(raw) == 128 and raw != bytes(128)
     cache = TensorMapCache()
     b = DeviceArray.empty((512, 4096), "bf16")
-    m1 = cache.get("bf16", a.ptr, [4096, 512], [8192], [64, 128])
+    m1 = cache.get("a", "bf16", a.ptr, [4096, 512], [8192], [64, 128])
     before = m1.bytes()
-    m2 = cache.get("bf16", b.ptr, [4096, 512], [8192], [64, 128])
+    m2 = cache.get("a", "bf16", b.ptr, [4096, 512], [8192], [64, 128])
     assert m2 is m1 and m1.base == b.ptr and m1.bytes() != before
     fresh = encode_tensor_map("bf16", b.ptr, [4096, 512], [8192], [64, 128])
     assert fresh.bytes() == m1.bytes()  # re-pointing equals re-encoding
+    other = cache.get("b", "bf16", a.ptr, [4096, 512], [8192], [64, 128])  # same shape, another role
+    assert other is not m1 and other.base == a.ptr and m1.base == b.ptr

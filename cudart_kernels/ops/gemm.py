@@ -277,8 +277,8 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
     cfg, epi, launch, grid = plan
     maps = _local.maps
     it = av.dtype.itemsize
-    tm_a = maps.get(av.dtype, av.ptr, [k, m], [av.strides[0] * it], [BK, cfg.bm], 128)
-    tm_b = maps.get(bv.dtype, bv.ptr, [k, n], [bv.strides[0] * it], [BK, cfg.bn], 128)
+    tm_a = maps.get("a", av.dtype, av.ptr, [k, m], [av.strides[0] * it], [BK, cfg.bm], 128)
+    tm_b = maps.get("b", bv.dtype, bv.ptr, [k, n], [bv.strides[0] * it], [BK, cfg.bn], 128)
     w_ptr, ld_w, counters = 0, 0, 0
     if epi == "EPI_SPLIT" or (epi == "EPI_ACCUMULATE" and deterministic and cfg.splits > 1):
         ws = _workspace(av.device, h)
@@ -289,9 +289,9 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
         if epi == "EPI_SPLIT":
             w_ptr = ws.w.ptr
     if epi == "EPI_SPLIT":
-        tm_out = maps.get(dt.float32, w_ptr, [n, m], [ld_w * 4], [cfg.bn, 64], 0)
+        tm_out = maps.get("out", dt.float32, w_ptr, [n, m], [ld_w * 4], [cfg.bn, 64], 0)
     else:
-        tm_out = maps.get(dv.dtype, dv.ptr, [n, m], [dv.strides[0] * dv.dtype.itemsize], [cfg.bn, 64], 0)
+        tm_out = maps.get("out", dv.dtype, dv.ptr, [n, m], [dv.strides[0] * dv.dtype.itemsize], [cfg.bn, 64], 0)
     c_ptr, ld_c = (0, 0) if cv is None or accumulate else (cv.ptr, cv.strides[0])
     launch(grid, h, tm_a, tm_b, tm_out, dv.ptr, dv.strides[0], w_ptr, ld_w, c_ptr, ld_c, counters, m, n, k,
            cfg.splits)

@@ -122,18 +122,20 @@ def encode_tensor_map(dtype, address: int, dims, strides, box, swizzle: int = 12
 
 
 class TensorMapCache:
-    """Maps keyed by everything but the base address; a new address re-points the cached map.
+    """Maps keyed by a role and everything but the base address; a new address re-points the cached map.
 
-    A launch copies the map's bytes into its parameters, so re-pointing after a launch is safe.
+    A launch copies the map's bytes into its parameters, so re-pointing after a launch is safe. The role ("a",
+    "b", "out", ...) keeps two arguments of one launch from sharing a map object when their shapes agree: the
+    second would re-point the first.
     """
 
     def __init__(self, max_entries: int = 256):
         self._maps: dict = {}
         self._max = max_entries
 
-    def get(self, dtype, address: int, dims, strides, box, swizzle: int = 128, element_strides=None,
+    def get(self, role: str, dtype, address: int, dims, strides, box, swizzle: int = 128, element_strides=None,
             l2_promotion: int = 256, oob_fill: str = "zero") -> TensorMap:
-        key = (dtype, tuple(dims), tuple(strides), tuple(box), swizzle,
+        key = (role, dtype, tuple(dims), tuple(strides), tuple(box), swizzle,
                tuple(element_strides or ()), l2_promotion, oob_fill)
         m = self._maps.get(key)
         if m is None:
