@@ -176,6 +176,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     int m0, n0;
     tile_coords(tile, tiles_m, m0, n0);
     const int kb0 = split * k_blocks / splits, kb1 = (split + 1) * k_blocks / splits;
+    // One wgmma group stays in flight: after issuing k block kb, wait for kb-1's group and release its stage.
+    int prev = -1;
     for (int kb = kb0; kb < kb1; ++kb) {
       mbar_wait(&full[s], phase);
       const u64 da = wgmma_desc_sw128(smem + s * A_STAGE + c * 64 * 128);
@@ -185,11 +187,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
       for (int k = 0; k < BK / 16; ++k)  // 16 elements = 32 bytes = 2 descriptor units along K
         Wgmma<WgIn, BN>::template mma<0>(acc, da + 2 * k, db + 2 * k, (kb != kb0) || k != 0);
       wgmma_commit();
-      wgmma_wait<0>();
-      fence_registers(acc);
-      if (lane == 0) mbar_arrive(&empty[s]);
+      wgmma_wait<1>();
+      if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+      prev = s;
       if (++s == STAGES) { s = 0; phase ^= 1; }
     }
+    wgmma_wait<0>();
+    fence_registers(acc);
+    if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
 
     // Epilogue: registers -> shared (row-major 64 x BN) -> TMA store or reduce-add. The previous unit's TMA
     // operation must have finished reading this buffer first.
