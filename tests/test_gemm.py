@@ -40,6 +40,9 @@ def test_config_choices():
     # few tiles, long K: split
     assert g.pick_config(128, 128, 65536, 2, H100).splits >= 16
     assert g.pick_config(256, 256, 32768, 2, H100).splits >= 8
+    # 2048x2048: BN=256 gives 128 tiles, one wave; no split beats a narrower tile with two waves
+    assert g.pick_config(2048, 2048, 32768, 2, H100) == g.pick_config(2048, 2048, 32768, 2, H100, split_k=1)
+    assert g.pick_config(2048, 2048, 32768, 2, H100).bn == 256
     # enough tiles: no split
     for m, n, k in g.BENCH_SHAPES["large"]:
         assert g.pick_config(m, n, k, 2, H100).splits == 1

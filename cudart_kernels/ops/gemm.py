@@ -114,15 +114,17 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     else:
         splits = 1
     if split_k is None and -(-m // bm) * -(-n // no_split()) < props.sm_count and k_blocks >= 2 * MIN_KBLOCKS_PER_SPLIT:
-        best = None
+        # The tiles do not fill the GPU: compare split configs with the unsplit one in the throughput model.
+        bn0 = no_split()
+        best = (_split_time(m, n, k, bm, bn0, 1, props), bn0, 1)
         for bn in _bn_candidates(n):
             if max_stages(bm, bn, 4, budget) < MIN_SPLIT_STAGES:
                 continue
             tiles = -(-m // bm) * -(-n // bn)
             top = min(MAX_SPLITS, k_blocks // MIN_KBLOCKS_PER_SPLIT, max(1, 2 * props.sm_count // tiles))
-            for sp in range(1, top + 1):
+            for sp in range(2, top + 1):
                 t = _split_time(m, n, k, bm, bn, sp, props)
-                if best is None or t < best[0]:
+                if t < best[0]:
                     best = (t, bn, sp)
         _, bn, splits = best
     elif splits > 1:  # forced count: fewest waves of units, then the larger tile
