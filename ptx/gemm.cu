@@ -98,6 +98,36 @@ __device__ __forceinline__ void store_elem(void* base, i64 idx, float v) {
   }
 }
 
+// Four consecutive elements of a row (16-byte aligned for fp32, 8-byte for 16-bit types).
+template <int KIND>
+__device__ __forceinline__ f32x4 load4(const void* base, i64 idx) {
+  if constexpr (KIND == KIND_FP32) {
+    return *reinterpret_cast<const f32x4*>(reinterpret_cast<const float*>(base) + idx);
+  } else {
+    const u32x2 raw = *reinterpret_cast<const u32x2*>(reinterpret_cast<const u16*>(base) + idx);
+    f32x4 v;
+    if constexpr (KIND == KIND_BF16) {
+      bf16x2_to_f32(raw.x, v.x, v.y);
+      bf16x2_to_f32(raw.y, v.z, v.w);
+    } else {
+      fp16x2_to_f32(raw.x, v.x, v.y);
+      fp16x2_to_f32(raw.y, v.z, v.w);
+    }
+    return v;
+  }
+}
+
+__device__ __forceinline__ u32 pack_out(float a, float b);
+
+template <int KIND>
+__device__ __forceinline__ void store4(void* base, i64 idx, f32x4 v) {
+  if constexpr (KIND == KIND_FP32) {
+    *reinterpret_cast<f32x4*>(reinterpret_cast<float*>(base) + idx) = v;
+  } else {
+    *reinterpret_cast<u32x2*>(reinterpret_cast<u16*>(base) + idx) = u32x2{pack_out(v.x, v.y), pack_out(v.z, v.w)};
+  }
+}
+
 __device__ __forceinline__ u32 pack_out(float a, float b) {
 #if OUT_KIND == KIND_BF16
   return f32x2_to_bf16x2(a, b);
@@ -264,17 +294,33 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     if (splits > 1) {
       named_barrier(1 + c, 128);  // every thread sees flags[c], after tid 0's acquire
       if (flags[c]) {
-        // D = W (+ C) for this slice, then zero the slice of W and the counter for the next launch.
-        for (int i = tid; i < 64 * BN; i += 128) {
-          const int gr = row0 + i / BN, gc = n0 + i % BN;
-          if (gr < M && gc < N) {
-            float* wp = w + gr * ld_w + gc;
-            float v = ld_cg_f32(wp);
+        // D = W (+ C) for this slice, then zero the slice of W and the counter for the next launch. Four
+        // independent 16-byte loads per thread are in flight before any store (the latency, not the bytes,
+        // is what this step costs). N is a multiple of 4, so a 4-column group is wholly in or out.
+        constexpr int GROUPS = 64 * BN / 4;
+        for (int base = tid; base < GROUPS; base += 128 * 4) {
+          f32x4 v[4];
+          i64 wi[4], di[4], ci[4];
+          bool ok[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int g = base + j * 128;
+            const int gr = row0 + g / (BN / 4), gc = n0 + (g % (BN / 4)) * 4;
+            ok[j] = g < GROUPS && gr < M && gc < N;
+            wi[j] = gr * ld_w + gc;
+            di[j] = gr * ld_d + gc;
+            ci[j] = gr * ld_c + gc;
+            if (ok[j]) v[j] = ld_cg_f32x4(w + wi[j]);
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            if (!ok[j]) continue;
 #if C_KIND != KIND_NONE
-            v += load_elem<C_KIND>(c_ptr, gr * ld_c + gc);
+            const f32x4 cv = load4<C_KIND>(c_ptr, ci[j]);
+            v[j].x += cv.x; v[j].y += cv.y; v[j].z += cv.z; v[j].w += cv.w;
 #endif
-            store_elem<OUT_KIND>(d, gr * ld_d + gc, v);
-            *wp = 0.f;
+            store4<OUT_KIND>(d, di[j], v[j]);
+            *reinterpret_cast<f32x4*>(w + wi[j]) = f32x4{0.f, 0.f, 0.f, 0.f};
           }
         }
         if (tid == 0) counters[slice] = 0;

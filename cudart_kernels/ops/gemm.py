@@ -258,7 +258,7 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
     require(dv, "out", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
     cv = None
     if c is not None:
-        cv = require(as_array(c, h), "c", dtypes=_OUTPUTS, ndim=2, shape=(m, n), align=4, row_align=0)
+        cv = require(as_array(c, h), "c", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
     for name, x in (("b", bv), ("out", dv), ("c", cv)):
         if x is not None and x.device != av.device:
             raise ValueError(f"{name} is on cuda:{x.device} but a is on cuda:{av.device}")

@@ -120,6 +120,15 @@ __device__ __forceinline__ float ld_cg_f32(const float* p) {
   return v;
 }
 
+struct f32x4 { float x, y, z, w; };
+
+__device__ __forceinline__ f32x4 ld_cg_f32x4(const float* p) {
+  f32x4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "l"(p) : "memory");
+  return v;
+}
+
 // ---- wgmma -------------------------------------------------------------------------------------------------------
 // Descriptor of a K-major tile written by TMA with 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes
 // apart (stride byte offset), leading byte offset unused, the tile 1024-byte aligned (base offset 0).
