@@ -191,4 +191,71 @@ def bench_quant(quick: bool = False, device: int = 0) -> list[Row]:
     return rows
 
 
-BENCHES = {"quant": bench_quant}
+def _torch_addmm_fp32(torch):
+    """torch's D(fp32) += A @ B^T for bf16 A, B: addmm with out_dtype where torch has it, else in fp32."""
+    def with_out_dtype(d, a, b):
+        return torch.addmm(d, a, b.t(), out_dtype=torch.float32, out=d)
+
+    def upcast(d, a, b):
+        return d.addmm_(a.float(), b.float().t())
+
+    try:
+        x = torch.zeros(16, 16, device="cuda", dtype=torch.float32)
+        y = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+        with_out_dtype(x, y, y)
+        return with_out_dtype, "torch.addmm(out_dtype=fp32)"
+    except Exception:
+        return upcast, "torch addmm_ in fp32 (upcast inputs)"
+
+
+def bench_gemm(quick: bool = False, device: int = 0) -> list[Row]:
+    """Large and skinny sets against cuBLAS (torch.matmul) in the same run; skinny also with split-K off;
+    D(fp32) += A @ B^T against torch's addmm; a host-overhead row."""
+    from .ops.gemm import BENCH_SHAPES, gemm
+
+    torch = torch_or_none()
+    if torch is None:
+        raise RuntimeError("bench --op gemm needs torch for the cuBLAS peer")
+    rows = []
+    sets_of = {"large": BENCH_SHAPES["large"], "skinny": BENCH_SHAPES["skinny"]}
+    if quick:
+        sets_of = {"large": [(8192, 8192, 8192)], "skinny": [(128, 128, 65536)]}
+    for name, shapes in sets_of.items():
+        for m, n, k in shapes:
+            nbytes = (m * k + n * k + m * n) * 2
+            sets = sets_beyond_l2(nbytes, device, cap=16)
+            a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+            b = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+            d = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+            iters = max(3, min(50, int(2e5 // max(1.0, 2 * m * n * k / 700e6))))
+            peer = time_us(lambda i: torch.matmul(a[i], b[i].t(), out=d[i]), sets, iters=iters)
+            ours = time_us(lambda i: gemm(a[i], b[i], out=d[i]), sets, iters=iters)
+            rows.append(Row(f"gemm_{name}", f"{m}x{n}x{k} bf16", ours, gbytes=nbytes / 1e9,
+                            tflops=2 * m * n * k / 1e12, peer="cuBLAS", peer_us=peer))
+            if name == "skinny":
+                off = time_us(lambda i: gemm(a[i], b[i], out=d[i], split_k=1), sets, iters=iters)
+                rows.append(Row("gemm_skinny_nosplit", f"{m}x{n}x{k} bf16, split_k=1", off, gbytes=nbytes / 1e9,
+                                tflops=2 * m * n * k / 1e12, peer="cuBLAS", peer_us=peer,
+                                extra={"split_speedup": off / ours}))
+            a = b = d = None
+    if not quick:
+        m, n, k = 4096, 4096, 7168
+        fn, label = _torch_addmm_fp32(torch)
+        sets = sets_beyond_l2((m * k + n * k) * 2 + m * n * 4, device, cap=16)
+        a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+        b = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+        d = [torch.randn(m, n, device="cuda", dtype=torch.float32) for _ in range(sets)]
+        peer = time_us(lambda i: fn(d[i], a[i], b[i]), sets, iters=10)
+        ours = time_us(lambda i: gemm(a[i], b[i], out=d[i], c=d[i]), sets, iters=10)
+        rows.append(Row("gemm_accumulate", f"{m}x{n}x{k}, D(fp32) += A @ B^T", ours, tflops=2 * m * n * k / 1e12,
+                        peer=label, peer_us=peer))
+    x = torch.randn(128, 1024, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    z = torch.empty(128, 256, device="cuda", dtype=torch.bfloat16)
+    rows.append(Row("host", "gemm call 128x256x1024, torch in/out", host_overhead_us(lambda: gemm(x, y, out=z))))
+    rows.append(Row("host", "torch.matmul call, same shape (reference)",
+                    host_overhead_us(lambda: torch.matmul(x, y.t(), out=z))))
+    return rows
+
+
+BENCHES = {"quant": bench_quant, "gemm": bench_gemm}

@@ -35,10 +35,39 @@ def cases():
     return out
 
 
+def _gemm_case(m, n, k, dtype, out_dtype, rng, **kw):
+    from .ops.gemm import gemm
+    from .runtime.dtypes import as_dtype
+
+    a = (rng.standard_normal((m, k)) * 0.5).astype(np.float32).astype(as_dtype(dtype).numpy)
+    b = (rng.standard_normal((n, k)) * 0.5).astype(np.float32).astype(as_dtype(dtype).numpy)
+    out = DeviceArray.empty((m, n), out_dtype).fill_bytes(0xFF)
+    gemm(DeviceArray.from_numpy(a), DeviceArray.from_numpy(b), out=out, **kw)
+    got = out.numpy().astype(np.float64)
+    ref = a.astype(np.float64) @ b.astype(np.float64).T
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    tol = 1e-4 if out_dtype == "float32" else 1e-2
+    return bool(np.isfinite(got).all() and err <= tol), f"rel. Frobenius error {err:.2e} (limit {tol:g})"
+
+
+def gemm_cases():
+    return [
+        (f"gemm {d} -> {o} {m}x{n}x{k}{' ' + str(kw) if kw else ''}",
+         lambda rng, m=m, n=n, k=k, d=d, o=o, kw=kw: _gemm_case(m, n, k, d, o, rng, **kw))
+        for (m, n, k, d, o, kw) in [
+            (777, 1000, 136, "bfloat16", "bfloat16", {}),
+            (2048, 2048, 2048, "float16", "float32", {}),
+            (17, 264, 4104, "bfloat16", "float32", {"split_k": 5}),
+            (128, 128, 65536, "bfloat16", "bfloat16", {}),
+            (128, 128, 8192, "bfloat16", "float32", {"split_k": 8, "deterministic": True}),
+        ]
+    ]
+
+
 def run() -> bool:
     rng = np.random.default_rng()
     results = []
-    for name, case in cases():
+    for name, case in cases() + gemm_cases():
         try:
             ok, detail = case(rng)
         except Exception as e:  # report and keep going

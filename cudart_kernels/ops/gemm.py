@@ -14,7 +14,7 @@ from ..runtime import dtypes as dt
 from ..runtime.driver import DeviceProperties, check, device_properties, stream_handle
 from ..runtime.interop import DeviceArray, as_array, require
 from ..runtime.launch import get_launcher
-from ..runtime.tensormap import TensorMapCache
+from ..runtime.tensormap import AddressedMapCache
 
 BK = 64                      # k elements per pipeline stage (128 bytes: one 128-byte swizzle span)
 ALIGN_SLACK = 1024           # the kernel aligns its dynamic shared memory to 1024 bytes
@@ -183,7 +183,7 @@ def variants():
 
 class _PerThread(threading.local):
     def __init__(self):
-        self.maps = TensorMapCache()
+        self.maps = AddressedMapCache()
 
 
 _local = _PerThread()
@@ -195,17 +195,18 @@ class _Workspace:
     re-zeroes what it used). Grown on demand; growing is not possible while a stream captures a CUDA graph."""
 
     def __init__(self):
-        self.w = None
-        self.counters = None
+        self.w = self.counters = None
+        self.w_elems = self.n_counters = 0
 
     def ensure(self, w_elems: int, n_counters: int, device: int, stream) -> None:
-        h = stream_handle(stream)
-        if self.w is None or self.w.size < w_elems:
-            self.w = DeviceArray.empty((max(w_elems, 1 << 20),), dt.float32, device, stream)
-            check(cu.cuMemsetD32Async(self.w.ptr, 0, self.w.size, h))
-        if self.counters is None or self.counters.size < n_counters:
-            self.counters = DeviceArray.empty((max(n_counters, 4096),), dt.int32, device, stream)
-            check(cu.cuMemsetD32Async(self.counters.ptr, 0, self.counters.size, h))
+        if w_elems > self.w_elems:
+            self.w_elems = max(w_elems, 1 << 20)
+            self.w = DeviceArray.empty((self.w_elems,), dt.float32, device, stream)
+            check(cu.cuMemsetD32Async(self.w.ptr, 0, self.w_elems, self.w.stream))
+        if n_counters > self.n_counters:
+            self.n_counters = max(n_counters, 4096)
+            self.counters = DeviceArray.empty((self.n_counters,), dt.int32, device, stream)
+            check(cu.cuMemsetD32Async(self.counters.ptr, 0, self.n_counters, self.counters.stream))
 
 
 _workspaces: dict = {}
@@ -224,6 +225,70 @@ def _same_memory(x: DeviceArray, y: DeviceArray) -> bool:
     return x.ptr == y.ptr and x.shape == y.shape and x.strides == y.strides and x.dtype is y.dtype
 
 
+@dataclass(frozen=True)
+class _Plan:
+    cfg: GemmConfig
+    epi: str
+    launch: object
+    grid: tuple
+    map_a: tuple       # tensor-map layouts (dtype, dims, strides, box, swizzle)
+    map_b: tuple
+    map_out: tuple
+    ld_w: int
+    n_counters: int
+    workspace: bool    # needs the split-K workspace / counters
+    uses_c: bool       # C is read (not accumulate-in-place)
+
+
+def _validate(av, bv, dv, cv):
+    require(av, "a", dtypes=_INPUTS, ndim=2)
+    require(bv, "b", dtypes=_INPUTS, ndim=2)
+    if bv.dtype is not av.dtype:
+        raise TypeError(f"a and b must have the same dtype, got {av.dtype.name} and {bv.dtype.name}")
+    m, k = av.shape
+    n, kb = bv.shape
+    if kb != k:
+        raise ValueError(f"a is [M, K] = {av.shape} but b is [N, K] = {bv.shape}: K differs")
+    require(dv, "out", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
+    if cv is not None:
+        require(cv, "c", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
+    for name, x in (("b", bv), ("out", dv), ("c", cv)):
+        if x is not None and x.device != av.device:
+            raise ValueError(f"{name} is on cuda:{x.device} but a is on cuda:{av.device}")
+    if k == 0:
+        raise ValueError("K must be at least 1")
+
+
+def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, props) -> _Plan:
+    _validate(av, bv, dv, cv)
+    m, k = av.shape
+    n = dv.shape[1]
+    cfg = pick_config(m, n, k, dv.dtype.itemsize, props, split_k, accumulate)
+    if accumulate:
+        epi = "EPI_ACCUMULATE"
+    elif cfg.splits > 1:
+        epi = "EPI_SPLIT"
+    else:
+        epi = "EPI_STORE"
+    det = deterministic and cfg.splits > 1
+    c_dtype = cv.dtype if (cv is not None and not accumulate) else None
+    defines = _defines(av.dtype, dv.dtype, cfg, epi, c_dtype, det)
+    launch = get_launcher("gemm.cu", "gemm_kernel", defines, av.device, _ARGS, (cfg.threads,), cfg.smem)
+    tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
+    grid = (max(1, min(tiles * cfg.splits, props.sm_count)), 1, 1)
+    it = av.dtype.itemsize
+    ld_w = -(-n // 4) * 4
+    map_a = (av.dtype, (k, m), (av.strides[0] * it,), (BK, cfg.bm), 128)
+    map_b = (bv.dtype, (k, n), (bv.strides[0] * it,), (BK, cfg.bn), 128)
+    if epi == "EPI_SPLIT":
+        map_out = (dt.float32, (n, m), (ld_w * 4,), (cfg.bn, 64), 0)
+    else:
+        map_out = (dv.dtype, (n, m), (dv.strides[0] * dv.dtype.itemsize,), (cfg.bn, 64), 0)
+    workspace = epi == "EPI_SPLIT" or (epi == "EPI_ACCUMULATE" and det)
+    return _Plan(cfg, epi, launch, grid, map_a, map_b, map_out, ld_w, tiles * (cfg.bm // 64), workspace,
+                 c_dtype is not None)
+
+
 def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, deterministic: bool = False,
          out_dtype=None, stream=None):
     """D = A @ B^T (+ C).
@@ -240,78 +305,44 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
     if split_k is not None and (int(split_k) != split_k or split_k < 1):
         raise ValueError(f"split_k must be a positive integer or None, got {split_k!r}")
     h = stream_handle(stream)
-    av = require(as_array(a, h), "a", dtypes=_INPUTS, ndim=2)
-    bv = require(as_array(b, h), "b", dtypes=_INPUTS, ndim=2)
-    if bv.dtype is not av.dtype:
-        raise TypeError(f"a and b must have the same dtype, got {av.dtype.name} and {bv.dtype.name}")
-    m, k = av.shape
-    n, kb = bv.shape
-    if kb != k:
-        raise ValueError(f"a is [M, K] = {av.shape} but b is [N, K] = {bv.shape}: K differs")
+    av = as_array(a, h)
+    bv = as_array(b, h)
     if out is None:
+        require(av, "a", dtypes=_INPUTS, ndim=2)
+        require(bv, "b", dtypes=_INPUTS, ndim=2)
         od = dt.as_dtype(out_dtype) if out_dtype is not None else av.dtype
         if od not in _OUTPUTS:
             raise TypeError(f"out_dtype {od.name} not supported (bfloat16, float16, float32)")
-        dv = DeviceArray.empty((m, n), od, av.device, stream)
+        dv = DeviceArray.empty((av.shape[0], bv.shape[0]), od, av.device, stream)
     else:
         dv = as_array(out, h)
-    require(dv, "out", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
-    cv = None
-    if c is not None:
-        cv = require(as_array(c, h), "c", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
-    for name, x in (("b", bv), ("out", dv), ("c", cv)):
-        if x is not None and x.device != av.device:
-            raise ValueError(f"{name} is on cuda:{x.device} but a is on cuda:{av.device}")
-    accumulate = cv is not None and _same_memory(cv, dv) and dv.dtype is dt.float32
-    if m == 0 or n == 0:
-        return dv if out is None else out
-    if k == 0:
-        raise ValueError("K must be at least 1")
-
-    key = (av.shape, av.strides, av.dtype, bv.shape, bv.strides, dv.shape, dv.strides, dv.dtype,
-           None if cv is None else (cv.strides, cv.dtype, accumulate), split_k, deterministic, av.device)
+    cv = None if c is None else (dv if c is out else as_array(c, h))
+    accumulate = cv is not None and dv.dtype is dt.float32 and _same_memory(cv, dv)
+    key = (av.shape, av.strides, av.dtype, av.ptr & 15, bv.shape, bv.strides, bv.dtype, bv.ptr & 15, dv.shape,
+           dv.strides, dv.dtype, dv.ptr & 15, None if cv is None else (cv.shape, cv.strides, cv.dtype, cv.ptr & 15,
+           accumulate), split_k, deterministic, av.device, bv.device, dv.device,
+           None if cv is None else cv.device)
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) > 1024:
             _plans.clear()
-        plan = _plans[key] = _plan(av, dv, cv, accumulate, split_k, deterministic,
+        if av.ndim == 2 and bv.ndim == 2 and dv.ndim == 2 and (dv.shape[0] == 0 or dv.shape[1] == 0):
+            _validate(av, bv, dv, cv)
+            return dv if out is None else out
+        plan = _plans[key] = _plan(av, bv, dv, cv, accumulate, split_k, deterministic,
                                    device_properties(av.device))
-    cfg, epi, launch, grid = plan
     maps = _local.maps
-    it = av.dtype.itemsize
-    tm_a = maps.get("a", av.dtype, av.ptr, [k, m], [av.strides[0] * it], [BK, cfg.bm], 128)
-    tm_b = maps.get("b", bv.dtype, bv.ptr, [k, n], [bv.strides[0] * it], [BK, cfg.bn], 128)
-    w_ptr, ld_w, counters = 0, 0, 0
-    if epi == "EPI_SPLIT" or (epi == "EPI_ACCUMULATE" and deterministic and cfg.splits > 1):
+    w_ptr = counters = 0
+    if plan.workspace:
         ws = _workspace(av.device, h)
-        ld_w = -(-n // 4) * 4
-        ws.ensure(m * ld_w if epi == "EPI_SPLIT" else 0, -(-m // cfg.bm) * -(-n // cfg.bn) * (cfg.bm // 64),
-                  av.device, stream)
+        ws.ensure(dv.shape[0] * plan.ld_w if plan.epi == "EPI_SPLIT" else 0, plan.n_counters, av.device, stream)
         counters = ws.counters.ptr
-        if epi == "EPI_SPLIT":
+        if plan.epi == "EPI_SPLIT":
             w_ptr = ws.w.ptr
-    if epi == "EPI_SPLIT":
-        tm_out = maps.get("out", dt.float32, w_ptr, [n, m], [ld_w * 4], [cfg.bn, 64], 0)
-    else:
-        tm_out = maps.get("out", dv.dtype, dv.ptr, [n, m], [dv.strides[0] * dv.dtype.itemsize], [cfg.bn, 64], 0)
-    c_ptr, ld_c = (0, 0) if cv is None or accumulate else (cv.ptr, cv.strides[0])
-    launch(grid, h, tm_a, tm_b, tm_out, dv.ptr, dv.strides[0], w_ptr, ld_w, c_ptr, ld_c, counters, m, n, k,
-           cfg.splits)
-    return dv if out is None else out
-
-
-def _plan(av, dv, cv, accumulate, split_k, deterministic, props):
+    out_ptr = w_ptr if plan.epi == "EPI_SPLIT" else dv.ptr
+    c_ptr, ld_c = (cv.ptr, cv.strides[0]) if plan.uses_c else (0, 0)
     m, k = av.shape
-    n = dv.shape[1]
-    cfg = pick_config(m, n, k, dv.dtype.itemsize, props, split_k, accumulate)
-    if accumulate:
-        epi = "EPI_ACCUMULATE"
-    elif cfg.splits > 1:
-        epi = "EPI_SPLIT"
-    else:
-        epi = "EPI_STORE"
-    c_dtype = cv.dtype if (cv is not None and not accumulate) else None
-    defines = _defines(av.dtype, dv.dtype, cfg, epi, c_dtype, deterministic and cfg.splits > 1)
-    launch = get_launcher("gemm.cu", "gemm_kernel", defines, av.device, _ARGS, (cfg.threads,), cfg.smem)
-    units = -(-m // cfg.bm) * -(-n // cfg.bn) * cfg.splits
-    return cfg, epi, launch, (max(1, min(units, props.sm_count)), 1, 1)
+    plan.launch(plan.grid, h, maps.get("a", plan.map_a, av.ptr), maps.get("b", plan.map_b, bv.ptr),
+                maps.get("out", plan.map_out, out_ptr), dv.ptr, dv.strides[0], w_ptr, plan.ld_w, c_ptr, ld_c,
+                counters, m, dv.shape[1], k, plan.cfg.splits)
+    return dv if out is None else out

@@ -146,3 +146,27 @@ class TensorMapCache:
         else:
             m.repoint(address)
         return m
+
+
+class AddressedMapCache:
+    """Encoded maps keyed by (role, layout key, base address): buffers that come back (rotating inputs, a
+    training loop's reused allocations) hit the cache with no driver call. Least recently used maps beyond
+    `max_entries` are dropped. One per thread (a launch copies the map bytes, so no map is shared in flight)."""
+
+    def __init__(self, max_entries: int = 256):
+        from collections import OrderedDict
+
+        self._maps = OrderedDict()
+        self._max = max_entries
+
+    def get(self, role: str, layout: tuple, address: int) -> TensorMap:
+        key = (role, layout, address)
+        m = self._maps.get(key)
+        if m is not None:
+            self._maps.move_to_end(key)
+            return m
+        if len(self._maps) >= self._max:
+            self._maps.popitem(last=False)
+        dtype, dims, strides, box, swizzle = layout
+        m = self._maps[key] = encode_tensor_map(dtype, address, list(dims), list(strides), list(box), swizzle)
+        return m
