@@ -47,8 +47,13 @@ constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int OUT_BYTES = OUT_KIND == KIND_FP32 ? 4 : 2;
 constexpr int A_STAGE = BM * BK * 2;
 constexpr int B_STAGE = BN * BK * 2;
-constexpr int EPI_BYTES = EPI == EPI_STORE ? OUT_BYTES : 4;  // what the shared-memory output tile holds
-constexpr int D_ROWS_BYTES = 64 * BN * EPI_BYTES;  // one consumer's part of the output tile
+constexpr int EPI_BYTES = EPI == EPI_STORE ? OUT_BYTES : 4;  // what the shared-memory output chunks hold
+// The epilogue moves a consumer's 64 x BN result in chunks of 64 x CH through two alternating buffers, so the
+// output needs 2 x 64 x CH x EPI_BYTES of shared memory per consumer instead of 64 x BN x EPI_BYTES.
+constexpr int CH = BN % 64 == 0 ? 64 : BN % 32 == 0 ? 32 : BN % 16 == 0 ? 16 : 8;
+constexpr int CHUNKS = BN / CH;
+constexpr int CHUNK_BYTES = 64 * CH * EPI_BYTES;
+constexpr int D_ROWS_BYTES = 2 * CHUNK_BYTES;
 constexpr int ACC = BN / 2;                          // fp32 accumulators per thread for m64nBN
 constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : (CONSUMERS == 2 ? 232 : 160);
@@ -139,7 +144,7 @@ __device__ __forceinline__ u32 pack_out(float a, float b) {
 }
 
 // tm_out: EPI_STORE the D map (out dtype), EPI_ACCUMULATE the fp32 D map, EPI_SPLIT the fp32 workspace map; all
-// with box {BN, 64}. d / ld_d: D for the split-K finalisation; w / ld_w: the workspace; c / ld_c: C (or null);
+// with box {CH, 64}. d / ld_d: D for the split-K finalisation; w / ld_w: the workspace; c / ld_c: C (or null);
 // counters: one int per 64-row slice of every tile, zero between launches.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     const __grid_constant__ CUtensorMap_st tm_a, const __grid_constant__ CUtensorMap_st tm_b,
@@ -201,6 +206,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
 
   int s = 0;
   u32 phase = 0;
+  u32 chunk_seq = 0;  // every output chunk this consumer issues; picks the buffer
   for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
     const int tile = unit / splits, split = unit % splits;
     int m0, n0;
@@ -226,69 +232,75 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     fence_registers(acc);
     if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
 
-    // Epilogue: registers -> shared (row-major 64 x BN) -> TMA store or reduce-add. The previous unit's TMA
-    // operation must have finished reading this buffer first.
+    // Epilogue: registers -> shared (row-major 64 x CH chunks, two buffers) -> TMA store or reduce-add. Before a
+    // buffer is rewritten, the TMA operation that last read it (two chunks back) must be done reading.
     const int row0 = m0 + c * 64;  // first row of this consumer's slice
-    if (tid == 0) bulk_wait_read<0>();
-    named_barrier(1 + c, 128);
     const int r = warp * 16 + lane / 4;
+#if EPI != EPI_STORE
+    const int slice = tile * CONSUMERS + c;
+    if (DETERMINISTIC && splits > 1 && tid == 0) {
+      while (load_acquire_gpu(&counters[slice]) != split) {  // K order: wait for the previous split's add
+      }
+    }
+#endif
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
-      const int col = i * 8 + (lane % 4) * 2;
-      float v[4] = {acc[4 * i + 0], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]};
+    for (int j = 0; j < CHUNKS; ++j) {
+      u8* buf = d_smem + (chunk_seq++ & 1) * CHUNK_BYTES;
+      if (tid == 0) bulk_wait_read<1>();
+      named_barrier(1 + c, 128);
+#pragma unroll
+      for (int ii = 0; ii < CH / 8; ++ii) {
+        const int i = j * (CH / 8) + ii;
+        const int col = ii * 8 + (lane % 4) * 2;  // within the chunk
+        float v[4] = {acc[4 * i + 0], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]};
 #if EPI == EPI_STORE && C_KIND != KIND_NONE
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int gr = row0 + r + 8 * h, gc = n0 + col;
-        if (gr < M && gc < N) {  // N is even, so gc + 1 < N too
-          v[2 * h] += load_elem<C_KIND>(c_ptr, gr * ld_c + gc);
-          v[2 * h + 1] += load_elem<C_KIND>(c_ptr, gr * ld_c + gc + 1);
+        for (int h = 0; h < 2; ++h) {
+          const int gr = row0 + r + 8 * h, gc = n0 + j * CH + col;
+          if (gr < M && gc < N) {  // N is even, so gc + 1 < N too
+            v[2 * h] += load_elem<C_KIND>(c_ptr, gr * ld_c + gc);
+            v[2 * h + 1] += load_elem<C_KIND>(c_ptr, gr * ld_c + gc + 1);
+          }
         }
-      }
 #endif
 #if EPI == EPI_STORE && OUT_KIND != KIND_FP32
-      *reinterpret_cast<u32*>(d_smem + (r * BN + col) * 2) = pack_out(v[0], v[1]);
-      *reinterpret_cast<u32*>(d_smem + ((r + 8) * BN + col) * 2) = pack_out(v[2], v[3]);
+        *reinterpret_cast<u32*>(buf + (r * CH + col) * 2) = pack_out(v[0], v[1]);
+        *reinterpret_cast<u32*>(buf + ((r + 8) * CH + col) * 2) = pack_out(v[2], v[3]);
 #else
-      float* p0 = reinterpret_cast<float*>(d_smem + (r * BN + col) * 4);
-      float* p1 = reinterpret_cast<float*>(d_smem + ((r + 8) * BN + col) * 4);
-      p0[0] = v[0]; p0[1] = v[1];
-      p1[0] = v[2]; p1[1] = v[3];
+        float* p0 = reinterpret_cast<float*>(buf + (r * CH + col) * 4);
+        float* p1 = reinterpret_cast<float*>(buf + ((r + 8) * CH + col) * 4);
+        p0[0] = v[0]; p0[1] = v[1];
+        p1[0] = v[2]; p1[1] = v[3];
 #endif
-    }
-    fence_proxy_async_smem();
-    named_barrier(1 + c, 128);
+      }
+      fence_proxy_async_smem();
+      named_barrier(1 + c, 128);
+      if (tid == 0) {
 #if EPI == EPI_STORE
-    if (tid == 0) {
-      tma_store_2d(&tm_out, d_smem, n0, row0);
-      bulk_commit();
-    }
+        tma_store_2d(&tm_out, buf, n0 + j * CH, row0);
 #else
-    const int slice = tile * CONSUMERS + c;
-    if (tid == 0) {
-      if (DETERMINISTIC && splits > 1) {
-        while (load_acquire_gpu(&counters[slice]) != split) {
-        }
+        tma_reduce_add_2d(&tm_out, buf, n0 + j * CH, row0);
+#endif
+        bulk_commit();
       }
-      tma_reduce_add_2d(&tm_out, d_smem, n0, row0);
-      bulk_commit();
-      if (COUNTED && splits > 1) {
-        bulk_wait<0>();  // the partial is in global memory, not just read out of shared memory
-        fence_proxy_async_global();
+    }
+#if EPI != EPI_STORE
+    if (tid == 0 && COUNTED && splits > 1) {
+      bulk_wait<0>();  // the partial is in global memory, not just read out of shared memory
+      fence_proxy_async_global();
+      fence_acq_rel_gpu();
+      bool last;
+      if (DETERMINISTIC) {
+        last = split == splits - 1;
+        if (!last) store_release_gpu(&counters[slice], split + 1);
+      } else {
+        last = atomic_add_relaxed_gpu(&counters[slice], 1) == splits - 1;
+      }
+      if (last) {
         fence_acq_rel_gpu();
-        bool last;
-        if (DETERMINISTIC) {
-          last = split == splits - 1;
-          if (!last) store_release_gpu(&counters[slice], split + 1);
-        } else {
-          last = atomic_add_relaxed_gpu(&counters[slice], 1) == splits - 1;
-        }
-        if (last) {
-          fence_acq_rel_gpu();
-          fence_proxy_async_global();
-        }
-        flags[c] = last;
+        fence_proxy_async_global();
       }
+      flags[c] = last;
     }
 #if EPI == EPI_SPLIT
     if (splits > 1) {

@@ -33,7 +33,7 @@ def test_config_fits_and_matches_the_kernel_layout(shape, out_bytes, split_k):
 
 
 def test_config_choices():
-    assert g.pick_config(8192, 8192, 8192, 2, H100) == g.GemmConfig(128, 256, 3, 1, g.smem_bytes(128, 256, 3, 2))
+    assert g.pick_config(8192, 8192, 8192, 2, H100) == g.GemmConfig(128, 256, 4, 1, g.smem_bytes(128, 256, 4, 2))
     assert g.pick_config(16, 4096, 8192, 2, H100).bm == 64  # small M: one consumer warpgroup
     # 4096x2112: 32 row blocks; BN=176 gives 12 column blocks = 384 tiles = 3 waves, nearly full (2.9)
     assert g.pick_config(4096, 2112, 7168, 2, H100).bn == 176

@@ -47,13 +47,19 @@ class GemmConfig:
         return 128 * (self.bm // 64 + 1)
 
 
+def epilogue_chunk(bn: int) -> int:
+    """Columns per epilogue chunk (ptx/gemm.cu CH): the largest power of two <= 64 dividing BN."""
+    return next(c for c in (64, 32, 16, 8) if bn % c == 0)
+
+
 def smem_bytes(bm: int, bn: int, stages: int, epi_bytes: int) -> int:
-    """Mirror of ptx/gemm.cu's layout: A and B stages, the output tile, 2 barriers per stage, flags, slack."""
-    return stages * (bm + bn) * BK * 2 + bm * bn * epi_bytes + 16 * stages + 16 + ALIGN_SLACK
+    """Mirror of ptx/gemm.cu's layout: A and B stages, two 64 x CH output chunks per consumer, 2 barriers per
+    stage, flags, alignment slack."""
+    return stages * (bm + bn) * BK * 2 + bm * 2 * epilogue_chunk(bn) * epi_bytes + 16 * stages + 16 + ALIGN_SLACK
 
 
 def max_stages(bm: int, bn: int, epi_bytes: int, budget: int) -> int:
-    fixed = bm * bn * epi_bytes + 16 + ALIGN_SLACK
+    fixed = bm * 2 * epilogue_chunk(bn) * epi_bytes + 16 + ALIGN_SLACK
     per_stage = (bm + bn) * BK * 2 + 16
     return min(MAX_STAGES, (budget - fixed) // per_stage)
 
@@ -280,10 +286,11 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, props) -> _Plan:
     ld_w = -(-n // 4) * 4
     map_a = (av.dtype, (k, m), (av.strides[0] * it,), (BK, cfg.bm), 128)
     map_b = (bv.dtype, (k, n), (bv.strides[0] * it,), (BK, cfg.bn), 128)
+    ch = epilogue_chunk(cfg.bn)
     if epi == "EPI_SPLIT":
-        map_out = (dt.float32, (n, m), (ld_w * 4,), (cfg.bn, 64), 0)
+        map_out = (dt.float32, (n, m), (ld_w * 4,), (ch, 64), 0)
     else:
-        map_out = (dv.dtype, (n, m), (dv.strides[0] * dv.dtype.itemsize,), (cfg.bn, 64), 0)
+        map_out = (dv.dtype, (n, m), (dv.strides[0] * dv.dtype.itemsize,), (ch, 64), 0)
     workspace = epi == "EPI_SPLIT" or (epi == "EPI_ACCUMULATE" and det)
     return _Plan(cfg, epi, launch, grid, map_a, map_b, map_out, ld_w, tiles * (cfg.bm // 64), workspace,
                  c_dtype is not None)
