@@ -14,3 +14,17 @@ for dtype in (ck.bfloat16, ck.float32):
     qw, sw = ck.quantize_fp8_per_block(DeviceArray.from_numpy(w))
     assert np.array_equal(sw.numpy(), ref.quantize_per_block(w)[1])
 print("sanitize cases ran")
+
+# GEMM: one unsplit config with C, one split-K config in each mode, one accumulate-in-place (all with tails).
+a = DeviceArray.from_numpy(rng.standard_normal((130, 520)).astype(ck.bfloat16.numpy))
+b = DeviceArray.from_numpy(rng.standard_normal((136, 520)).astype(ck.bfloat16.numpy))
+cmat = DeviceArray.from_numpy(rng.standard_normal((130, 136)).astype(np.float32))
+ref = a.numpy().astype(np.float64) @ b.numpy().astype(np.float64).T
+for kw in ({}, {"c": cmat}, {"split_k": 4}, {"split_k": 4, "deterministic": True}):
+    d = ck.gemm(a, b, out_dtype="float32", **kw)
+    want = ref + (cmat.numpy() if "c" in kw else 0)
+    assert np.abs(d.numpy() - want).max() < 1e-2 * np.abs(want).max(), kw
+acc = DeviceArray.from_numpy(np.zeros((130, 136), np.float32))
+ck.gemm(a, b, out=acc, c=acc, split_k=3)
+assert np.abs(acc.numpy() - ref).max() < 1e-2 * np.abs(ref).max()
+print("gemm sanitize cases ran")

@@ -26,6 +26,7 @@ MAX_STAGES = 8
 MIN_SPLIT_STAGES = 3         # split-K configs keep at least this many stages
 MIN_KBLOCKS_PER_SPLIT = 4    # 256 k elements: below this the partial's reduce costs more than its math
 MAX_SPLITS = 128
+SPLIT_MARGIN = 0.9           # a split config must beat the unsplit estimate by 10% (the model is rough)
 
 # Throughput model for choosing split-K (H100-class): per-SM dense bf16 rate, memory bandwidth, fixed costs.
 _SM_FLOPS = 790e12 / 132
@@ -122,7 +123,7 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     if split_k is None and -(-m // bm) * -(-n // no_split()) < props.sm_count and k_blocks >= 2 * MIN_KBLOCKS_PER_SPLIT:
         # The tiles do not fill the GPU: compare split configs with the unsplit one in the throughput model.
         bn0 = no_split()
-        best = (_split_time(m, n, k, bm, bn0, 1, props), bn0, 1)
+        best = (SPLIT_MARGIN * _split_time(m, n, k, bm, bn0, 1, props), bn0, 1)
         for bn in _bn_candidates(n):
             if max_stages(bm, bn, 4, budget) < MIN_SPLIT_STAGES:
                 continue
