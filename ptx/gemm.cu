@@ -16,8 +16,11 @@
 // Work units are (tile, split) pairs, split fastest: a unit only ever waits on a unit with a smaller index, which
 // a resident CTA of this persistent grid has already started, so the turnstile cannot deadlock.
 //
+// B_KN = 1 reads B as [K, N] (N contiguous): it is loaded as ceil(BN / 64) panels of 64 N x 64 K and fed to
+// wgmma as an MN-major operand (transposed B).
+//
 // Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64, 128, 192, 256), BN (8..256, step 8), STAGES, EPI,
-// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC.
+// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN.
 #include "common/sm90.cuh"
 #include "common/wgmma_ops.cuh"
 
@@ -34,6 +37,9 @@
 #ifndef DETERMINISTIC
 #define DETERMINISTIC 0
 #endif
+#ifndef B_KN
+#define B_KN 0
+#endif
 
 #if IN_KIND == KIND_BF16
 typedef WgBf16 WgIn;
@@ -46,7 +52,9 @@ constexpr int CONSUMERS = BM / 64;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int OUT_BYTES = OUT_KIND == KIND_FP32 ? 4 : 2;
 constexpr int A_STAGE = BM * BK * 2;
-constexpr int B_STAGE = BN * BK * 2;
+constexpr int B_PANELS = (BN + 63) / 64;                   // [K, N] B: 64-column panels of BK rows
+constexpr int B_PANEL_BYTES = BK * 128;
+constexpr int B_STAGE = B_KN ? B_PANELS * B_PANEL_BYTES : BN * BK * 2;
 constexpr int EPI_BYTES = EPI == EPI_STORE ? OUT_BYTES : 4;  // what the shared-memory output chunks hold
 // The epilogue moves a consumer's 64 x BN result in chunks of 64 x CH through two alternating buffers, so the
 // output needs 2 x 64 x CH x EPI_BYTES of shared memory per consumer instead of 64 x BN x EPI_BYTES.
@@ -188,7 +196,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
         mbar_wait(&empty[s], phase ^ 1);
         mbar_arrive_expect_tx(&full[s], A_STAGE + B_STAGE);
         tma_load_2d(smem + s * A_STAGE, &tm_a, &full[s], kb * BK, m0);
+#if B_KN
+        for (int p = 0; p < B_PANELS; ++p)
+          tma_load_2d(smem + SMEM_B + s * B_STAGE + p * B_PANEL_BYTES, &tm_b, &full[s], n0 + p * 64, kb * BK);
+#else
         tma_load_2d(smem + SMEM_B + s * B_STAGE, &tm_b, &full[s], kb * BK, n0);
+#endif
         if (++s == STAGES) { s = 0; phase ^= 1; }
       }
     }
@@ -217,11 +230,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     for (int kb = kb0; kb < kb1; ++kb) {
       mbar_wait(&full[s], phase);
       const u64 da = wgmma_desc_sw128(smem + s * A_STAGE + c * 64 * 128);
+#if B_KN
+      const u64 db = wgmma_desc_mn_sw128(smem + SMEM_B + s * B_STAGE, B_PANEL_BYTES);
+      constexpr u64 DB_STEP = (16 * 128) >> 4;  // 16 K rows of 128 bytes
+#else
       const u64 db = wgmma_desc_sw128(smem + SMEM_B + s * B_STAGE);
+      constexpr u64 DB_STEP = 2;                // 16 K elements = 32 bytes
+#endif
       wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < BK / 16; ++k)  // 16 elements = 32 bytes = 2 descriptor units along K
-        Wgmma<WgIn, BN>::template mma<0>(acc, da + 2 * k, db + 2 * k, (kb != kb0) || k != 0);
+      for (int k = 0; k < BK / 16; ++k)  // A: 16 elements = 32 bytes = 2 descriptor units along K
+        Wgmma<WgIn, BN>::template mma<B_KN>(acc, da + 2 * k, db + DB_STEP * k, (kb != kb0) || k != 0);
       wgmma_commit();
       wgmma_wait<1>();
       if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);

@@ -64,8 +64,10 @@ def test_validation_before_launch():
         ck.gemm(fake((64, 100), "bf16", strides=(100, 1)), fake((256, 100), "bf16"), out=fake((64, 256), "bf16"))
     with pytest.raises(TypeError, match="out: dtype float8_e4m3"):
         ck.gemm(a, b, out=fake((64, 256), "e4m3"))
-    with pytest.raises(NotImplementedError, match="kn"):
-        ck.gemm(a, b, b_layout="kn")
+    with pytest.raises(ValueError, match="b_layout must be"):
+        ck.gemm(a, b, b_layout="tn")
+    with pytest.raises(ValueError, match=r"b is \[K, N\] = \(256, 128\): K differs"):
+        ck.gemm(a, b, out=fake((64, 128), "bf16"), b_layout="kn")
     with pytest.raises(TypeError, match="host"):
         ck.gemm(np.ones((64, 128), np.float32), b)
     with pytest.raises(ValueError, match="split_k"):
@@ -168,3 +170,17 @@ def test_accumulate_into_fp32_d_twice(rng, splits, deterministic):
         assert ck.gemm(da, db, out=d, c=d, split_k=splits, deterministic=deterministic) is d
     ab = a.astype(np.float64) @ b.astype(np.float64).T
     _check(d.numpy(), d0.astype(np.float64) + 2 * ab, "fp32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 8, 8), (17, 136, 72), (65, 200, 1000), (129, 264, 200), (300, 520, 1040),
+                                   (1024, 2112, 512), (2048, 2048, 2048)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype,out_dtype", [("bf16", "bf16"), ("fp16", "fp32")])
+def test_gemm_b_kn(rng, shape, dtype, out_dtype):
+    m, n, k = shape
+    a, b = _rand(rng, (m, k), dtype), _rand(rng, (k, n), dtype)
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    for split in (None, 1, 4):
+        out = DeviceArray.empty((m, n), out_dtype).fill_bytes(0xFF)
+        ck.gemm(DeviceArray.from_numpy(a), DeviceArray.from_numpy(b), out=out, b_layout="kn", split_k=split)
+        _check(out.numpy(), ref, out_dtype)

@@ -1,8 +1,6 @@
-"""BF16/FP16 GEMM on Hopper: D = A @ B^T (+ C) with A [M, K], B [N, K] (16-bit), fp32 accumulation, D bf16, fp16
-or fp32; split-K through TMA reduce-add; D += A @ B^T in place for an fp32 D.
-
-Work in progress (issue 3): B as [K, N] (b_layout="kn") comes next and raises NotImplementedError until then.
-"""
+"""BF16/FP16 GEMM on Hopper: D = A @ B^T (+ C) with A [M, K] and B [N, K] (or D = A @ B with B [K, N]), 16-bit
+inputs, fp32 accumulation, D bf16, fp16 or fp32; split-K through TMA reduce-add; D += A @ B^T in place for an
+fp32 D."""
 from __future__ import annotations
 
 import threading
@@ -53,15 +51,22 @@ def epilogue_chunk(bn: int) -> int:
     return next(c for c in (64, 32, 16, 8) if bn % c == 0)
 
 
-def smem_bytes(bm: int, bn: int, stages: int, epi_bytes: int) -> int:
+def stage_bytes(bm: int, bn: int, b_kn: bool = False) -> int:
+    """One pipeline stage: the A tile and the B tile (B as [K, N] comes in 64-column panels)."""
+    b_cols = -(-bn // 64) * 64 if b_kn else bn
+    return (bm + b_cols) * BK * 2
+
+
+def smem_bytes(bm: int, bn: int, stages: int, epi_bytes: int, b_kn: bool = False) -> int:
     """Mirror of ptx/gemm.cu's layout: A and B stages, two 64 x CH output chunks per consumer, 2 barriers per
     stage, flags, alignment slack."""
-    return stages * (bm + bn) * BK * 2 + bm * 2 * epilogue_chunk(bn) * epi_bytes + 16 * stages + 16 + ALIGN_SLACK
+    return (stages * stage_bytes(bm, bn, b_kn) + bm * 2 * epilogue_chunk(bn) * epi_bytes + 16 * stages + 16
+            + ALIGN_SLACK)
 
 
-def max_stages(bm: int, bn: int, epi_bytes: int, budget: int) -> int:
+def max_stages(bm: int, bn: int, epi_bytes: int, budget: int, b_kn: bool = False) -> int:
     fixed = bm * 2 * epilogue_chunk(bn) * epi_bytes + 16 + ALIGN_SLACK
-    per_stage = (bm + bn) * BK * 2 + 16
+    per_stage = stage_bytes(bm, bn, b_kn) + 16
     return min(MAX_STAGES, (budget - fixed) // per_stage)
 
 
@@ -90,7 +95,7 @@ def _split_time(m, n, k, bm, bn, splits, props) -> float:
 
 
 def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, split_k: int | None = None,
-                accumulate: bool = False) -> GemmConfig:
+                accumulate: bool = False, b_kn: bool = False) -> GemmConfig:
     """Block shape, stages and split-K count.
 
     Without split-K (enough tiles to fill the GPU, or split_k=1): BM is 64 for M <= 64, else 128; BN runs over
@@ -106,7 +111,7 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     def no_split():
         best = None
         for bn in _bn_candidates(n):
-            if max_stages(bm, bn, epi_plain, budget) < 2:
+            if max_stages(bm, bn, epi_plain, budget, b_kn) < 2:
                 continue
             tiles = -(-m // bm) * -(-n // bn)
             waves = -(-tiles // props.sm_count)
@@ -125,7 +130,7 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
         bn0 = no_split()
         best = (SPLIT_MARGIN * _split_time(m, n, k, bm, bn0, 1, props), bn0, 1)
         for bn in _bn_candidates(n):
-            if max_stages(bm, bn, 4, budget) < MIN_SPLIT_STAGES:
+            if max_stages(bm, bn, 4, budget, b_kn) < MIN_SPLIT_STAGES:
                 continue
             tiles = -(-m // bm) * -(-n // bn)
             top = min(MAX_SPLITS, k_blocks // MIN_KBLOCKS_PER_SPLIT, max(1, 2 * props.sm_count // tiles))
@@ -135,19 +140,21 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
                     best = (t, bn, sp)
         _, bn, splits = best
     elif splits > 1:  # forced count: fewest waves of units, then the larger tile
-        fits = [b for b in _bn_candidates(n) if max_stages(bm, b, 4, budget) >= 2]
+        fits = [b for b in _bn_candidates(n) if max_stages(bm, b, 4, budget, b_kn) >= 2]
         bn = min(fits, key=lambda b: (-(-(-(-m // bm) * -(-n // b) * splits) // props.sm_count), -b))
     else:
         bn = no_split()
     epi = 4 if (splits > 1 or accumulate) else out_bytes
-    stages = max_stages(bm, bn, epi, budget)
-    return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi))
+    stages = max_stages(bm, bn, epi, budget, b_kn)
+    return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn))
 
 
 def _defines(in_dtype, out_dtype, cfg: GemmConfig, epi: str = "EPI_STORE", c_dtype=None,
-             deterministic: bool = False) -> dict:
+             deterministic: bool = False, b_kn: bool = False) -> dict:
     d = {"IN_KIND": _KIND[in_dtype], "OUT_KIND": _KIND[out_dtype], "BM": cfg.bm, "BN": cfg.bn,
          "STAGES": cfg.stages, "EPI": epi}
+    if b_kn:
+        d["B_KN"] = 1
     if c_dtype is not None:
         d["C_KIND"] = _KIND[c_dtype]
     if deterministic:
@@ -185,6 +192,10 @@ def variants():
                     add(cfg, "EPI_STORE", out)
     m, n, k = 4096, 4096, 7168  # the accumulate-into-fp32 benchmark
     add(pick_config(m, n, k, 4, H100, accumulate=True), "EPI_ACCUMULATE", dt.float32)
+    for m, n, k in ((8192, 8192, 8192), (128, 128, 65536)):  # B as [K, N]
+        cfg = pick_config(m, n, k, 2, H100, b_kn=True)
+        d = _defines(dt.bfloat16, dt.bfloat16, cfg, "EPI_SPLIT" if cfg.splits > 1 else "EPI_STORE", b_kn=True)
+        seen[tuple(sorted(d.items()))] = ("gemm.cu", "gemm_kernel", d, cfg.smem)
     return list(seen.values())
 
 
@@ -247,15 +258,16 @@ class _Plan:
     uses_c: bool       # C is read (not accumulate-in-place)
 
 
-def _validate(av, bv, dv, cv):
+def _validate(av, bv, dv, cv, b_kn=False):
     require(av, "a", dtypes=_INPUTS, ndim=2)
     require(bv, "b", dtypes=_INPUTS, ndim=2)
     if bv.dtype is not av.dtype:
         raise TypeError(f"a and b must have the same dtype, got {av.dtype.name} and {bv.dtype.name}")
     m, k = av.shape
-    n, kb = bv.shape
+    kb, n = bv.shape if b_kn else bv.shape[::-1]
     if kb != k:
-        raise ValueError(f"a is [M, K] = {av.shape} but b is [N, K] = {bv.shape}: K differs")
+        layout = "[K, N]" if b_kn else "[N, K]"
+        raise ValueError(f"a is [M, K] = {av.shape} but b is {layout} = {bv.shape}: K differs")
     require(dv, "out", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
     if cv is not None:
         require(cv, "c", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
@@ -266,11 +278,11 @@ def _validate(av, bv, dv, cv):
         raise ValueError("K must be at least 1")
 
 
-def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, props) -> _Plan:
-    _validate(av, bv, dv, cv)
+def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, props) -> _Plan:
+    _validate(av, bv, dv, cv, b_kn)
     m, k = av.shape
     n = dv.shape[1]
-    cfg = pick_config(m, n, k, dv.dtype.itemsize, props, split_k, accumulate)
+    cfg = pick_config(m, n, k, dv.dtype.itemsize, props, split_k, accumulate, b_kn)
     if accumulate:
         epi = "EPI_ACCUMULATE"
     elif cfg.splits > 1:
@@ -279,14 +291,17 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, props) -> _Plan:
         epi = "EPI_STORE"
     det = deterministic and cfg.splits > 1
     c_dtype = cv.dtype if (cv is not None and not accumulate) else None
-    defines = _defines(av.dtype, dv.dtype, cfg, epi, c_dtype, det)
+    defines = _defines(av.dtype, dv.dtype, cfg, epi, c_dtype, det, b_kn)
     launch = get_launcher("gemm.cu", "gemm_kernel", defines, av.device, _ARGS, (cfg.threads,), cfg.smem)
     tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
     grid = (max(1, min(tiles * cfg.splits, props.sm_count)), 1, 1)
     it = av.dtype.itemsize
     ld_w = -(-n // 4) * 4
     map_a = (av.dtype, (k, m), (av.strides[0] * it,), (BK, cfg.bm), 128)
-    map_b = (bv.dtype, (k, n), (bv.strides[0] * it,), (BK, cfg.bn), 128)
+    if b_kn:  # [K, N]: boxes of 64 N x 64 K, loaded panel by panel
+        map_b = (bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128)
+    else:
+        map_b = (bv.dtype, (k, n), (bv.strides[0] * it,), (BK, cfg.bn), 128)
     ch = epilogue_chunk(cfg.bn)
     if epi == "EPI_SPLIT":
         map_out = (dt.float32, (n, m), (ld_w * 4,), (ch, 64), 0)
@@ -301,15 +316,16 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
          out_dtype=None, stream=None):
     """D = A @ B^T (+ C).
 
-    A [M, K] and B [N, K], both bf16 or both fp16, fp32 accumulation. D [M, N] in `out`'s dtype (or `out_dtype`,
+    A [M, K] and B [N, K] (or B [K, N] with b_layout="kn": D = A @ B), both bf16 or both fp16, fp32 accumulation. D [M, N] in `out`'s dtype (or `out_dtype`,
     default the input dtype): bf16, fp16 or fp32. `c` [M, N] (bf16, fp16 or fp32) is added; with `c is out` and
     an fp32 `out`, D += A @ B^T accumulates in place through TMA reduce-add. `split_k` forces the split count
     (None: the heuristic decides; 1: off); `deterministic=True` makes split-K bitwise reproducible (K order).
     Rows must be 16-byte aligned (K and N multiples of 8 for 16-bit data); every M, N, K tail is handled in the
     kernel. Runs on `stream`; returns `out` (allocated when None).
     """
-    if b_layout != "nk":
-        raise NotImplementedError("b_layout='kn' is not implemented yet (issue 3 in progress)")
+    if b_layout not in ("nk", "kn"):
+        raise ValueError(f"b_layout must be 'nk' (B is [N, K]) or 'kn' (B is [K, N]), got {b_layout!r}")
+    b_kn = b_layout == "kn"
     if split_k is not None and (int(split_k) != split_k or split_k < 1):
         raise ValueError(f"split_k must be a positive integer or None, got {split_k!r}")
     h = stream_handle(stream)
@@ -321,23 +337,23 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
         od = dt.as_dtype(out_dtype) if out_dtype is not None else av.dtype
         if od not in _OUTPUTS:
             raise TypeError(f"out_dtype {od.name} not supported (bfloat16, float16, float32)")
-        dv = DeviceArray.empty((av.shape[0], bv.shape[0]), od, av.device, stream)
+        dv = DeviceArray.empty((av.shape[0], bv.shape[1] if b_kn else bv.shape[0]), od, av.device, stream)
     else:
         dv = as_array(out, h)
     cv = None if c is None else (dv if c is out else as_array(c, h))
     accumulate = cv is not None and dv.dtype is dt.float32 and _same_memory(cv, dv)
     key = (av.shape, av.strides, av.dtype, av.ptr & 15, bv.shape, bv.strides, bv.dtype, bv.ptr & 15, dv.shape,
            dv.strides, dv.dtype, dv.ptr & 15, None if cv is None else (cv.shape, cv.strides, cv.dtype, cv.ptr & 15,
-           accumulate), split_k, deterministic, av.device, bv.device, dv.device,
+           accumulate), split_k, deterministic, b_kn, av.device, bv.device, dv.device,
            None if cv is None else cv.device)
     plan = _plans.get(key)
     if plan is None:
         if len(_plans) > 1024:
             _plans.clear()
         if av.ndim == 2 and bv.ndim == 2 and dv.ndim == 2 and (dv.shape[0] == 0 or dv.shape[1] == 0):
-            _validate(av, bv, dv, cv)
+            _validate(av, bv, dv, cv, b_kn)
             return dv if out is None else out
-        plan = _plans[key] = _plan(av, bv, dv, cv, accumulate, split_k, deterministic,
+        plan = _plans[key] = _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn,
                                    device_properties(av.device))
     maps = _local.maps
     w_ptr = counters = 0

@@ -136,6 +136,15 @@ __device__ __forceinline__ u64 wgmma_desc_sw128(const void* tile) {
   return u64((smem_u32(tile) & 0x3FFFF) >> 4) | (u64(1) << 16) | (u64(1024 >> 4) << 32) | (u64(1) << 62);
 }
 
+// Descriptor of an MN-major tile (MN contiguous) loaded by TMA with 128-byte swizzle as panels of 64 16-bit
+// elements along MN: each panel is `lines` rows of 128 bytes along K. Leading byte offset = one panel to the
+// next along MN; stride byte offset = one group of 8 K rows to the next (1024 bytes). A k16 step advances the
+// start by 16 rows (2048 bytes).
+__device__ __forceinline__ u64 wgmma_desc_mn_sw128(const void* tile, u32 panel_bytes) {
+  return u64((smem_u32(tile) & 0x3FFFF) >> 4) | (u64(panel_bytes >> 4) << 16) | (u64(1024 >> 4) << 32) |
+         (u64(1) << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 
