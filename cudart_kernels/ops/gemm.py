@@ -30,6 +30,7 @@ SPLIT_MARGIN = 0.9           # a split config must beat the unsplit estimate by 
 _SM_FLOPS = 790e12 / 132
 _BANDWIDTH = 3.0e12
 _L2_BANDWIDTH = 6.0e12
+_SM_FILL_BANDWIDTH = 80e9    # L2 -> shared memory per SM (64x7168x16384 measured ~65 GB/s per SM)
 _SPLIT_OVERHEAD_S = 2e-6     # counters, finalisation, the extra epilogue
 
 
@@ -85,12 +86,13 @@ def _split_time(m, n, k, bm, bn, splits, props) -> float:
     kspan = -(-k // splits)
     math = waves * 2 * bm * bn * kspan / (_SM_FLOPS * bn / (bn + 32))
     active = min(units, props.sm_count) / props.sm_count
-    # Operands: each byte from DRAM once (units sharing a k-range run together, so re-reads hit L2), and every
-    # unit's (BM + BN) x K stream from L2 into shared memory.
+    # Operands: each byte from DRAM once (units sharing a k-range run together, so re-reads hit L2), and each
+    # SM streams its units' (BM + BN) x K-span tiles from L2 into shared memory at a per-SM rate.
     dram = (m + n) * k * 2 / (_BANDWIDTH * min(1.0, 2 * active))
-    fill = tiles_m * tiles_n * (bm + bn) * k * 2 / (_L2_BANDWIDTH * active)
+    fill = waves * (bm + bn) * kspan * 2 / _SM_FILL_BANDWIDTH
     operands = max(dram, fill)
-    partials = splits * tiles_m * bm * n * 4 * 2 / _BANDWIDTH if splits > 1 else 0.0
+    # Partials are reduce-added in L2 (the workspace is a few MB): one fp32 tile per unit at L2 bandwidth.
+    partials = splits * tiles_m * bm * n * 4 / _L2_BANDWIDTH if splits > 1 else 0.0
     return max(math, operands) + partials + (_SPLIT_OVERHEAD_S if splits > 1 else 0.0)
 
 
