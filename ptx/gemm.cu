@@ -96,21 +96,6 @@ __device__ __forceinline__ float load_elem(const void* base, i64 idx) {
   }
 }
 
-template <int KIND>
-__device__ __forceinline__ void store_elem(void* base, i64 idx, float v) {
-  if constexpr (KIND == KIND_FP32) {
-    reinterpret_cast<float*>(base)[idx] = v;
-  } else if constexpr (KIND == KIND_BF16) {
-    u16 r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
-    reinterpret_cast<u16*>(base)[idx] = r;
-  } else {
-    u16 r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
-    reinterpret_cast<u16*>(base)[idx] = r;
-  }
-}
-
 // Four consecutive elements of a row (16-byte aligned for fp32, 8-byte for 16-bit types).
 template <int KIND>
 __device__ __forceinline__ f32x4 load4(const void* base, i64 idx) {

@@ -21,10 +21,10 @@ def wrapper(n: int, ptx_type: str, name: str) -> str:
         f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "\n'
         f'        "{{{acc}}}, "\n'
         f'        "%{regs}, %{regs + 1}, p, 1, 1, 0, %{regs + 3};\\n}}\\n"\n'
-        f"        : " + ",\n".join(operands).lstrip() + "\n"
-        f'        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B));\n'
-        f"  }}\n"
-        f"}};\n"
+        "        : " + ",\n".join(operands).lstrip() + "\n"
+        '        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B));\n'
+        "  }\n"
+        "};\n"
     )
 
 

@@ -1,7 +1,7 @@
 """cuTensorMapEncodeTiled's documented rules, checked in Python (CPU); encoding itself on the GPU."""
 import pytest
 
-from cudart_kernels.runtime.tensormap import TensorMapCache, check_tensor_map, encode_tensor_map
+from cudart_kernels.runtime.tensormap import AddressedMapCache, check_tensor_map, encode_tensor_map
 
 OK = dict(dtype="bf16", address=0x10000, dims=[4096, 512], strides=[8192], box=[64, 128], swizzle=128)
 
@@ -41,13 +41,17 @@ def test_encode_and_repoint_on_gpu():
     m = encode_tensor_map("bf16", a.ptr, [4096, 512], [8192], [64, 128])
     raw = m.bytes()
     assert len(raw) == 128 and raw != bytes(128)
-    cache = TensorMapCache()
     b = DeviceArray.empty((512, 4096), "bf16")
-    m1 = cache.get("a", "bf16", a.ptr, [4096, 512], [8192], [64, 128])
-    before = m1.bytes()
-    m2 = cache.get("a", "bf16", b.ptr, [4096, 512], [8192], [64, 128])
-    assert m2 is m1 and m1.base == b.ptr and m1.bytes() != before
+    before = m.bytes()
+    m.repoint(b.ptr)
+    assert m.base == b.ptr and m.bytes() != before
     fresh = encode_tensor_map("bf16", b.ptr, [4096, 512], [8192], [64, 128])
-    assert fresh.bytes() == m1.bytes()  # re-pointing equals re-encoding
-    other = cache.get("b", "bf16", a.ptr, [4096, 512], [8192], [64, 128])  # same shape, another role
-    assert other is not m1 and other.base == a.ptr and m1.base == b.ptr
+    assert fresh.bytes() == m.bytes()  # re-pointing equals re-encoding
+    layout = ("bf16", (4096, 512), (8192,), (64, 128), 128)
+    cache = AddressedMapCache()
+    m1 = cache.get("a", layout, a.ptr)
+    assert cache.get("a", layout, a.ptr) is m1 and m1.base == a.ptr  # same role, layout, address: a hit
+    other = cache.get("b", layout, a.ptr)  # same layout and address, another role: its own map
+    assert other is not m1 and other.base == a.ptr
+    m2 = cache.get("a", layout, b.ptr)  # another address: another map
+    assert m2 is not m1 and m2.base == b.ptr and m2.bytes() == fresh.bytes()

@@ -4,7 +4,7 @@ from .driver import (CudaError, DeviceProperties, NoDeviceError, check, device_p
                      require_gpu, smem_stages, stream_handle, target_arch, use_device)
 from .interop import DeviceArray, HostArrayError, as_array, require, same_device
 from .launch import Function, Launcher, get_launcher, load
-from .tensormap import TensorMap, TensorMapCache, check_tensor_map, encode_tensor_map
+from .tensormap import AddressedMapCache, TensorMap, check_tensor_map, encode_tensor_map
 
 __all__ = [
     "CompileError", "CompileReport", "Compiled", "cache_dir", "compile_kernel", "nvrtc_version", "ptx_dir",
@@ -12,5 +12,5 @@ __all__ = [
     "smem_stages", "stream_handle", "target_arch", "use_device",
     "DeviceArray", "HostArrayError", "as_array", "require", "same_device",
     "Function", "Launcher", "get_launcher", "load",
-    "TensorMap", "TensorMapCache", "check_tensor_map", "encode_tensor_map",
+    "AddressedMapCache", "TensorMap", "check_tensor_map", "encode_tensor_map",
 ]

@@ -1,5 +1,5 @@
-"""TMA tensor maps over cuTensorMapEncodeTiled: the documented rules checked in Python first, maps cached and
-re-pointed (cuTensorMapReplaceAddress) instead of re-encoded when only the base address changes.
+"""TMA tensor maps over cuTensorMapEncodeTiled: the documented rules checked in Python first; encoded maps cached
+per (role, layout, address), and re-pointable (cuTensorMapReplaceAddress) instead of re-encoded.
 
 Dimension order follows the driver: index 0 is the innermost (contiguous) dimension.
 """
@@ -121,37 +121,11 @@ def encode_tensor_map(dtype, address: int, dims, strides, box, swizzle: int = 12
     return TensorMap(tmap, address)
 
 
-class TensorMapCache:
-    """Maps keyed by a role and everything but the base address; a new address re-points the cached map.
-
-    A launch copies the map's bytes into its parameters, so re-pointing after a launch is safe. The role ("a",
-    "b", "out", ...) keeps two arguments of one launch from sharing a map object when their shapes agree: the
-    second would re-point the first.
-    """
-
-    def __init__(self, max_entries: int = 256):
-        self._maps: dict = {}
-        self._max = max_entries
-
-    def get(self, role: str, dtype, address: int, dims, strides, box, swizzle: int = 128, element_strides=None,
-            l2_promotion: int = 256, oob_fill: str = "zero") -> TensorMap:
-        key = (role, dtype, tuple(dims), tuple(strides), tuple(box), swizzle,
-               tuple(element_strides or ()), l2_promotion, oob_fill)
-        m = self._maps.get(key)
-        if m is None:
-            if len(self._maps) >= self._max:
-                self._maps.pop(next(iter(self._maps)))
-            m = self._maps[key] = encode_tensor_map(dtype, address, dims, strides, box, swizzle,
-                                                    element_strides, l2_promotion, oob_fill)
-        else:
-            m.repoint(address)
-        return m
-
-
 class AddressedMapCache:
     """Encoded maps keyed by (role, layout key, base address): buffers that come back (rotating inputs, a
-    training loop's reused allocations) hit the cache with no driver call. Least recently used maps beyond
-    `max_entries` are dropped. One per thread (a launch copies the map bytes, so no map is shared in flight)."""
+    training loop's reused allocations) hit the cache with no driver call. The role ("a", "b", "out", ...) keeps
+    two arguments of one launch apart even when their layouts agree. Least recently used maps beyond
+    `max_entries` are dropped. Keep one per thread, and never re-point a map it handed out."""
 
     def __init__(self, max_entries: int = 256):
         from collections import OrderedDict

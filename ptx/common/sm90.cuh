@@ -113,15 +113,9 @@ __device__ __forceinline__ void store_release_gpu(int* p, int v) {
   asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
 
-// L2-only load (data other CTAs just produced; never a stale L1 line).
-__device__ __forceinline__ float ld_cg_f32(const float* p) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
-  return v;
-}
-
 struct f32x4 { float x, y, z, w; };
 
+// L2-only load (data other CTAs just produced; never a stale L1 line).
 __device__ __forceinline__ f32x4 ld_cg_f32x4(const float* p) {
   f32x4 v;
   asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
