@@ -2,9 +2,16 @@
 //
 // Warp-specialised and persistent: warpgroup 0 is the producer (one thread issues TMA loads into a STAGES-deep
 // ring of shared-memory stages); warpgroups 1..BM/64 are consumers, each owning 64 rows of the BM x BN tile and
-// issuing wgmma m64nBNk16 on 128-byte-swizzled tiles. The epilogue writes the tile to shared memory and one
-// thread per consumer stores it with TMA, which overlaps the next tile's main loop. TMA zero-fills loads and
-// clips stores outside the tensor, so every M, N, K tail is handled in the kernel.
+// issuing wgmma m64nBNk16 on 128-byte-swizzled tiles. The epilogue writes the tile to shared memory (stmatrix,
+// in the TMA swizzle so that no two lanes of a warp hit one bank) and one thread per consumer stores it with TMA,
+// which overlaps the next tile's main loop. TMA zero-fills loads and clips stores outside the tensor, so every
+// M, N, K tail is handled in the kernel. Tiles run in a grouped order (GROUP_M cluster tiles along M at a time,
+// runtime argument) so that the CTAs of a wave share A and B panels in L2.
+//
+// MCAST (2-CTA clusters): 1 pairs two tiles along M that share a B tile, 2 pairs two tiles along N that share
+// an A tile. Each CTA loads half of the shared tile and multicasts it to both; a stage is free again only when
+// the consumers of both CTAs released it (remote mbarrier arrivals), and before exiting the producer waits for
+// every stage to be released so that no arrival targets an exited CTA.
 //
 // Epilogues (EPI):
 // - EPI_STORE: D = acc (+ C), through shared memory and a TMA store.
@@ -20,7 +27,7 @@
 // wgmma as an MN-major operand (transposed B).
 //
 // Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64, 128, 192, 256), BN (8..256, step 8), STAGES, EPI,
-// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN.
+// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST.
 #include "common/sm90.cuh"
 #include "common/wgmma_ops.cuh"
 
@@ -40,6 +47,9 @@
 #ifndef B_KN
 #define B_KN 0
 #endif
+#ifndef MCAST
+#define MCAST 0
+#endif
 
 #if IN_KIND == KIND_BF16
 typedef WgBf16 WgIn;
@@ -57,11 +67,17 @@ constexpr int B_PANEL_BYTES = BK * 128;
 constexpr int B_STAGE = B_KN ? B_PANELS * B_PANEL_BYTES : BN * BK * 2;
 constexpr int EPI_BYTES = EPI == EPI_STORE ? OUT_BYTES : 4;  // what the shared-memory output chunks hold
 // The epilogue moves a consumer's 64 x BN result in chunks of 64 x CH through two alternating buffers, so the
-// output needs 2 x 64 x CH x EPI_BYTES of shared memory per consumer instead of 64 x BN x EPI_BYTES.
-constexpr int CH = BN % 64 == 0 ? 64 : BN % 32 == 0 ? 32 : BN % 16 == 0 ? 16 : 8;
+// output needs 2 x 64 x CH x EPI_BYTES of shared memory per consumer instead of 64 x BN x EPI_BYTES. A chunk row
+// is at most 128 bytes (one swizzle span): CH is the largest power of two dividing BN up to that.
+constexpr int CH_MAX = 128 / EPI_BYTES;
+constexpr int CH = BN % CH_MAX == 0 ? CH_MAX : BN % 32 == 0 ? 32 : BN % 16 == 0 ? 16 : 8;
 constexpr int CHUNKS = BN / CH;
-constexpr int CHUNK_BYTES = 64 * CH * EPI_BYTES;
+constexpr int CHUNK_ROW_BYTES = CH * EPI_BYTES;  // also the output map's swizzle span (none below 32)
+constexpr int CHUNK_BYTES = 64 * CHUNK_ROW_BYTES;
 constexpr int D_ROWS_BYTES = 2 * CHUNK_BYTES;
+constexpr int CLUSTER = MCAST ? 2 : 1;
+static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0 && !B_KN) || (MCAST == 2 && BM % 128 == 0),
+              "multicast halves must be whole 8-row swizzle atoms");
 constexpr int ACC = BN / 2;                          // fp32 accumulators per thread for m64nBN
 constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : (CONSUMERS == 2 ? 232 : 160);
@@ -77,9 +93,27 @@ constexpr int SMEM_FLAGS = SMEM_BARS + 2 * STAGES * 8;
 constexpr int SMEM_BYTES = SMEM_FLAGS + 16;
 constexpr bool COUNTED = EPI == EPI_SPLIT || (EPI == EPI_ACCUMULATE && DETERMINISTIC);
 
-__device__ __forceinline__ void tile_coords(int tile, int tiles_m, int& m0, int& n0) {
-  m0 = (tile % tiles_m) * BM;
-  n0 = (tile / tiles_m) * BN;
+// Work unit -> (tile row, tile column, split) of this CTA. Units are (cluster tile, split) pairs, split fastest;
+// cluster tiles (two tiles along M or N under MCAST, else one) run GROUP_M rows at a time, M fastest within a
+// group. A CTA of a pair may get a tile past the edge (odd tile count): it still loads its half for its partner.
+struct Work {
+  int tm, tn, split;
+};
+
+__device__ __forceinline__ Work unit_work(int unit, int splits, int cl_tiles_m, int cl_tiles_n, int group_m,
+                                          u32 rank) {
+  Work w;
+  w.split = unit % splits;
+  const int t = unit / splits;
+  const int per_group = group_m * cl_tiles_n;
+  const int first = t / per_group * group_m;
+  const int rows = min(group_m, cl_tiles_m - first);
+  const int r = t % per_group;
+  w.tm = first + r % rows;
+  w.tn = r / rows;
+  if (MCAST == 1) w.tm = 2 * w.tm + rank;
+  if (MCAST == 2) w.tn = 2 * w.tn + rank;
+  return w;
 }
 
 template <int KIND>
@@ -136,36 +170,82 @@ __device__ __forceinline__ u32 pack_out(float a, float b) {
 #endif
 }
 
+// Write this consumer's chunk j (columns j*CH .. j*CH+CH-1 of its 64 x BN accumulator) into `buf`, laid out as
+// the output map's swizzle expects: 16-bit outputs with stmatrix, fp32 as 8-byte pairs.
+__device__ __forceinline__ void chunk_to_smem(const float* acc, int j, u8* buf, int warp, int lane) {
+#if EPI == EPI_STORE && OUT_KIND != KIND_FP32
+  const int row = warp * 16 + (lane / 8 % 2) * 8 + lane % 8;  // the row whose address this lane gives
+#pragma unroll
+  for (int g = 0; g + 1 < CH / 8; g += 2) {  // two 8-column groups per stmatrix.x4
+    const int i = j * (CH / 8) + g;
+    stmatrix_x4(buf + swizzled_offset<CHUNK_ROW_BYTES>(row, g + lane / 16), pack_out(acc[4 * i], acc[4 * i + 1]),
+                pack_out(acc[4 * i + 2], acc[4 * i + 3]), pack_out(acc[4 * i + 4], acc[4 * i + 5]),
+                pack_out(acc[4 * i + 6], acc[4 * i + 7]));
+  }
+  if constexpr (CH == 8)
+    stmatrix_x2(buf + swizzled_offset<CHUNK_ROW_BYTES>(row, 0), pack_out(acc[4 * j], acc[4 * j + 1]),
+                pack_out(acc[4 * j + 2], acc[4 * j + 3]));
+#else
+#pragma unroll
+  for (int g = 0; g < CH / 8; ++g) {
+    const int i = j * (CH / 8) + g;
+    const int col = g * 8 + (lane % 4) * 2;  // fp32 column within the chunk: granule col / 4, byte (col % 4) * 4
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = warp * 16 + lane / 4 + 8 * h;
+      *reinterpret_cast<u32x2*>(buf + swizzled_offset<CHUNK_ROW_BYTES>(row, col / 4) + (col % 4) * 4) =
+          u32x2{__float_as_uint(acc[4 * i + 2 * h]), __float_as_uint(acc[4 * i + 2 * h + 1])};
+    }
+  }
+#endif
+}
+
+// A consumer warp is done with a stage: free it in this CTA and, under multicast, in the partner (whose producer
+// writes half of this CTA's stage).
+__device__ __forceinline__ void release_stage(u64* bar, u32 rank) {
+  mbar_arrive(bar);
+  if constexpr (MCAST) mbar_arrive_cluster(bar, rank ^ 1);
+}
+
 // tm_out: EPI_STORE the D map (out dtype), EPI_ACCUMULATE the fp32 D map, EPI_SPLIT the fp32 workspace map; all
-// with box {CH, 64}. d / ld_d: D for the split-K finalisation; w / ld_w: the workspace; c / ld_c: C (or null);
-// counters: one int per 64-row slice of every tile, zero between launches.
+// with box {CH, 64} and swizzle CHUNK_ROW_BYTES (0 below 32). d / ld_d: D for the split-K finalisation; w / ld_w:
+// the workspace; c / ld_c: C (or null); counters: one int per 64-row slice of every tile, zero between launches;
+// group_m: cluster-tile rows per group of the tile order.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     const __grid_constant__ CUtensorMap_st tm_a, const __grid_constant__ CUtensorMap_st tm_b,
     const __grid_constant__ CUtensorMap_st tm_out, void* d, i64 ld_d, float* w, i64 ld_w, const void* c_ptr,
-    i64 ld_c, int* counters, int M, int N, int K, int splits) {
+    i64 ld_c, int* counters, int M, int N, int K, int splits, int group_m) {
   extern __shared__ u8 smem_raw[];
   u8* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   u64* full = reinterpret_cast<u64*>(smem + SMEM_BARS);
   u64* empty = full + STAGES;
   int* flags = reinterpret_cast<int*>(smem + SMEM_FLAGS);
 
-  const int tiles_m = (M + BM - 1) / BM;
-  const int units = tiles_m * ((N + BN - 1) / BN) * splits;
+  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
+  const int cl_tiles_m = MCAST == 1 ? (tiles_m + 1) / 2 : tiles_m;
+  const int cl_tiles_n = MCAST == 2 ? (tiles_n + 1) / 2 : tiles_n;
+  const int units = cl_tiles_m * cl_tiles_n * splits;
   const int k_blocks = (K + BK - 1) / BK;
+  const int first_unit = blockIdx.x / CLUSTER, unit_step = gridDim.x / CLUSTER;
+  const u32 rank = MCAST ? cluster_rank() : 0;
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], CONSUMERS * 4);  // one arrival per consumer warp
+      mbar_init(&empty[s], CLUSTER * CONSUMERS * 4);  // one arrival per consumer warp of each CTA
     }
     fence_barrier_init();
     tma_prefetch_map(&tm_a);
     tma_prefetch_map(&tm_b);
     tma_prefetch_map(&tm_out);
   }
-  __syncthreads();
+  if constexpr (MCAST) {
+    cluster_sync();  // the partner's barriers are initialised before any multicast or remote arrival
+  } else {
+    __syncthreads();
+  }
 
   if (wg == 0) {
     // ---- producer ----
@@ -173,20 +253,33 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     if (tid != 0) return;
     int s = 0;
     u32 phase = 0;
-    for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-      int m0, n0;
-      tile_coords(unit / splits, tiles_m, m0, n0);
-      const int split = unit % splits;
-      for (int kb = split * k_blocks / splits; kb < (split + 1) * k_blocks / splits; ++kb) {
+    for (int unit = first_unit; unit < units; unit += unit_step) {
+      const Work wk = unit_work(unit, splits, cl_tiles_m, cl_tiles_n, group_m, rank);
+      const int m0 = wk.tm * BM, n0 = wk.tn * BN;
+      for (int kb = wk.split * k_blocks / splits; kb < (wk.split + 1) * k_blocks / splits; ++kb) {
         mbar_wait(&empty[s], phase ^ 1);
         mbar_arrive_expect_tx(&full[s], A_STAGE + B_STAGE);
-        tma_load_2d(smem + s * A_STAGE, &tm_a, &full[s], kb * BK, m0);
-#if B_KN
-        for (int p = 0; p < B_PANELS; ++p)
-          tma_load_2d(smem + SMEM_B + s * B_STAGE + p * B_PANEL_BYTES, &tm_b, &full[s], n0 + p * 64, kb * BK);
+        u8* sa = smem + s * A_STAGE;
+        u8* sb = smem + SMEM_B + s * B_STAGE;
+#if MCAST == 2
+        tma_load_2d_multicast(sa + rank * (A_STAGE / 2), &tm_a, &full[s], kb * BK, m0 + rank * (BM / 2), 3);
 #else
-        tma_load_2d(smem + SMEM_B + s * B_STAGE, &tm_b, &full[s], kb * BK, n0);
+        tma_load_2d(sa, &tm_a, &full[s], kb * BK, m0);
 #endif
+#if MCAST == 1
+        tma_load_2d_multicast(sb + rank * (B_STAGE / 2), &tm_b, &full[s], kb * BK, n0 + rank * (BN / 2), 3);
+#elif B_KN
+        for (int p = 0; p < B_PANELS; ++p)
+          tma_load_2d(sb + p * B_PANEL_BYTES, &tm_b, &full[s], n0 + p * 64, kb * BK);
+#else
+        tma_load_2d(sb, &tm_b, &full[s], kb * BK, n0);
+#endif
+        if (++s == STAGES) { s = 0; phase ^= 1; }
+      }
+    }
+    if constexpr (MCAST) {
+      for (int i = 0; i < STAGES; ++i) {  // every stage released by both CTAs: no arrival is still in flight
+        mbar_wait(&empty[s], phase ^ 1);
         if (++s == STAGES) { s = 0; phase ^= 1; }
       }
     }
@@ -205,10 +298,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
   int s = 0;
   u32 phase = 0;
   u32 chunk_seq = 0;  // every output chunk this consumer issues; picks the buffer
-  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const int tile = unit / splits, split = unit % splits;
-    int m0, n0;
-    tile_coords(tile, tiles_m, m0, n0);
+  for (int unit = first_unit; unit < units; unit += unit_step) {
+    const Work wk = unit_work(unit, splits, cl_tiles_m, cl_tiles_n, group_m, rank);
+    const int split = wk.split;
+    const int m0 = wk.tm * BM, n0 = wk.tn * BN;
     const int kb0 = split * k_blocks / splits, kb1 = (split + 1) * k_blocks / splits;
     // One wgmma group stays in flight: after issuing k block kb, wait for kb-1's group and release its stage.
     int prev = -1;
@@ -228,20 +321,37 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
         Wgmma<WgIn, BN>::template mma<B_KN>(acc, da + 2 * k, db + DB_STEP * k, (kb != kb0) || k != 0);
       wgmma_commit();
       wgmma_wait<1>();
-      if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+      if (prev >= 0 && lane == 0) release_stage(&empty[prev], rank);
       prev = s;
       if (++s == STAGES) { s = 0; phase ^= 1; }
     }
     wgmma_wait<0>();
     fence_registers(acc);
-    if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+    if (prev >= 0 && lane == 0) release_stage(&empty[prev], rank);
 
-    // Epilogue: registers -> shared (row-major 64 x CH chunks, two buffers) -> TMA store or reduce-add. Before a
-    // buffer is rewritten, the TMA operation that last read it (two chunks back) must be done reading.
     const int row0 = m0 + c * 64;  // first row of this consumer's slice
-    const int r = warp * 16 + lane / 4;
+    if (row0 >= M || n0 >= N) continue;  // a slice past the edge (BM rows beyond M, or a cluster's spare tile)
+#if EPI == EPI_STORE && C_KIND != KIND_NONE
+    {  // D = acc + C: add C into the accumulators (fragment layout: rows r and r + 8, column pairs)
+      const int r = row0 + warp * 16 + lane / 4;
+#pragma unroll
+      for (int i = 0; i < ACC / 4; ++i) {
+        const int gc = n0 + i * 8 + (lane % 4) * 2;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (r + 8 * h < M && gc < N) {  // N is even, so gc + 1 < N too
+            acc[4 * i + 2 * h] += load_elem<C_KIND>(c_ptr, (r + 8 * h) * ld_c + gc);
+            acc[4 * i + 2 * h + 1] += load_elem<C_KIND>(c_ptr, (r + 8 * h) * ld_c + gc + 1);
+          }
+        }
+      }
+    }
+#endif
+
+    // Epilogue: registers -> shared (64 x CH chunks, two buffers) -> TMA store or reduce-add. Before a buffer is
+    // rewritten, the TMA operation that last read it (two chunks back) must be done reading.
 #if EPI != EPI_STORE
-    const int slice = tile * CONSUMERS + c;
+    const int slice = (wk.tn * tiles_m + wk.tm) * CONSUMERS + c;
     if (DETERMINISTIC && splits > 1 && tid == 0) {
       while (load_acquire_gpu(&counters[slice]) != split) {  // K order: wait for the previous split's add
       }
@@ -252,31 +362,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
       u8* buf = d_smem + (chunk_seq++ & 1) * CHUNK_BYTES;
       if (tid == 0) bulk_wait_read<1>();
       named_barrier(1 + c, 128);
-#pragma unroll
-      for (int ii = 0; ii < CH / 8; ++ii) {
-        const int i = j * (CH / 8) + ii;
-        const int col = ii * 8 + (lane % 4) * 2;  // within the chunk
-        float v[4] = {acc[4 * i + 0], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]};
-#if EPI == EPI_STORE && C_KIND != KIND_NONE
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int gr = row0 + r + 8 * h, gc = n0 + j * CH + col;
-          if (gr < M && gc < N) {  // N is even, so gc + 1 < N too
-            v[2 * h] += load_elem<C_KIND>(c_ptr, gr * ld_c + gc);
-            v[2 * h + 1] += load_elem<C_KIND>(c_ptr, gr * ld_c + gc + 1);
-          }
-        }
-#endif
-#if EPI == EPI_STORE && OUT_KIND != KIND_FP32
-        *reinterpret_cast<u32*>(buf + (r * CH + col) * 2) = pack_out(v[0], v[1]);
-        *reinterpret_cast<u32*>(buf + ((r + 8) * CH + col) * 2) = pack_out(v[2], v[3]);
-#else
-        float* p0 = reinterpret_cast<float*>(buf + (r * CH + col) * 4);
-        float* p1 = reinterpret_cast<float*>(buf + ((r + 8) * CH + col) * 4);
-        p0[0] = v[0]; p0[1] = v[1];
-        p1[0] = v[2]; p1[1] = v[3];
-#endif
-      }
+      chunk_to_smem(acc, j, buf, warp, lane);
       fence_proxy_async_smem();
       named_barrier(1 + c, 128);
       if (tid == 0) {

@@ -28,3 +28,17 @@ acc = DeviceArray.from_numpy(np.zeros((130, 136), np.float32))
 ck.gemm(a, b, out=acc, c=acc, split_k=3)
 assert np.abs(acc.numpy() - ref).max() < 1e-2 * np.abs(ref).max()
 print("gemm sanitize cases ran")
+
+# 2-CTA clusters with multicast (forced on both sides; odd tile rows leave a spare tile), plain and split-K.
+from cudart_kernels.ops import gemm as g  # noqa: E402
+
+b2 = DeviceArray.from_numpy(rng.standard_normal((256, 520)).astype(ck.bfloat16.numpy))
+ref2 = a.numpy().astype(np.float64) @ b2.numpy().astype(np.float64).T
+for mode in (g.MCAST_SHARE_B, g.MCAST_SHARE_A):
+    g.pick_multicast = lambda *args, mode=mode: mode
+    g._plans.clear()
+    for kw in ({}, {"split_k": 3, "deterministic": True}):
+        d = ck.gemm(a, b2, out_dtype="float32", **kw)
+        assert {p.cfg.mcast for p in g._plans.values()} == {mode}
+        assert np.abs(d.numpy() - ref2).max() < 1e-2 * np.abs(ref2).max(), (mode, kw)
+print("gemm cluster sanitize cases ran")

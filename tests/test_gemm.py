@@ -33,7 +33,11 @@ def test_config_fits_and_matches_the_kernel_layout(shape, out_bytes, split_k):
 
 
 def test_config_choices():
-    assert g.pick_config(8192, 8192, 8192, 2, H100) == g.GemmConfig(128, 256, 4, 1, g.smem_bytes(128, 256, 4, 2))
+    cfg = g.pick_config(8192, 8192, 8192, 2, H100)
+    assert (cfg.bm, cfg.bn, cfg.stages, cfg.splits, cfg.smem) == (128, 256, 4, 1, g.smem_bytes(128, 256, 4, 2))
+    # 64 x 32 tiles of 128 x 256: pairs along M share B (saves 128 rows a stage against 64 for sharing A);
+    # a wave of 66 pairs covers about 8 x 8 pairs
+    assert (cfg.mcast, cfg.cluster, cfg.group_m) == (g.MCAST_SHARE_B, 2, 8)
     assert g.pick_config(16, 4096, 8192, 2, H100).bm == 64  # small M: one consumer warpgroup
     # 4096x2112: 32 row blocks; BN=176 gives 12 column blocks = 384 tiles = 3 waves, nearly full (2.9)
     assert g.pick_config(4096, 2112, 7168, 2, H100).bn == 176
@@ -48,6 +52,24 @@ def test_config_choices():
     # enough tiles: no split
     for m, n, k in g.BENCH_SHAPES["large"]:
         assert g.pick_config(m, n, k, 2, H100).splits == 1
+
+
+def test_multicast_and_tile_order():
+    P = g.pick_multicast
+    assert P(8192, 8192, 128, 256, 1, False, H100) == g.MCAST_SHARE_B
+    assert P(8192, 8192, 128, 256, 1, True, H100) == g.MCAST_SHARE_A  # B as [K, N] is never shared
+    assert P(64, 8192, 64, 256, 1, False, H100) == g.MCAST_NONE       # one tile row, BM 64 cannot halve A
+    assert P(256, 8192, 128, 200, 1, False, H100) == g.MCAST_SHARE_A  # BN/2 is not whole 8-row atoms
+    # 3 x 44 = 132 tiles fill one wave; pairing along M pads to 4 x 44 = 176 (two waves), along N to 3 x 44
+    assert P(384, 44 * 128, 128, 128, 1, False, H100) == g.MCAST_SHARE_A
+    assert P(384, 43 * 128, 128, 128, 1, False, H100) == g.MCAST_SHARE_A  # 3 x 43 -> 3 x 44: still one wave
+    assert P(128, 8192, 128, 128, 1, False, H100) == g.MCAST_SHARE_A   # one tile row: only N pairs
+    # one wave or less: M fastest over all rows
+    assert g.group_rows(1024, 1024, 128, 256, g.MCAST_SHARE_B, H100) == 4
+    assert g.group_rows(8192, 8192, 128, 128, g.MCAST_NONE, H100) == 11
+    for bn, eb, ch, swz in ((256, 2, 64, 128), (256, 4, 32, 128), (176, 2, 16, 32), (40, 2, 8, 0), (40, 4, 8, 32),
+                            (96, 4, 32, 128), (48, 2, 16, 32)):
+        assert (g.epilogue_chunk(bn, eb), g.epilogue_swizzle(bn, eb)) == (ch, swz), (bn, eb)
 
 
 def test_validation_before_launch():
@@ -184,3 +206,49 @@ def test_gemm_b_kn(rng, shape, dtype, out_dtype):
         out = DeviceArray.empty((m, n), out_dtype).fill_bytes(0xFF)
         ck.gemm(DeviceArray.from_numpy(a), DeviceArray.from_numpy(b), out=out, b_layout="kn", split_k=split)
         _check(out.numpy(), ref, out_dtype)
+
+
+@pytest.fixture
+def forced_multicast(monkeypatch):
+    """Make the heuristic pair tiles on a given side wherever that side is legal; plans made under it are
+    dropped before and after."""
+    def force(mode):
+        def pick(m, n, bm, bn, splits, b_kn, props):
+            if mode == g.MCAST_SHARE_B and bn % 16 == 0 and not b_kn:
+                return mode
+            return mode if mode == g.MCAST_SHARE_A and bm % 128 == 0 else g.MCAST_NONE
+        monkeypatch.setattr(g, "pick_multicast", pick)
+        g._plans.clear()
+    yield force
+    g._plans.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [g.MCAST_SHARE_B, g.MCAST_SHARE_A])
+@pytest.mark.parametrize("shape", [(300, 520, 1040), (129, 264, 200), (385, 1000, 136), (200, 136, 2048),
+                                   (1024, 2112, 512)], ids=lambda s: "x".join(map(str, s)))
+def test_cluster_pairs(rng, forced_multicast, mode, shape):
+    """2-CTA clusters with a multicast A or B, on odd tile counts (a spare tile in the last pair) and tails:
+    plain bf16 out, C added, deterministic split-K into fp32, and accumulate in place."""
+    forced_multicast(mode)
+    m, n, k = shape
+    a, b = _rand(rng, (m, k), "bf16"), _rand(rng, (n, k), "bf16")
+    da, db = DeviceArray.from_numpy(a), DeviceArray.from_numpy(b)
+    ref = a.astype(np.float64) @ b.astype(np.float64).T
+    used = set()
+    for out_dtype, split, det in (("bf16", None, False), ("fp32", 3, True), ("bf16", 4, False)):
+        out = DeviceArray.empty((m, n), out_dtype).fill_bytes(0xFF)
+        ck.gemm(da, db, out=out, split_k=split, deterministic=det)
+        _check(out.numpy(), ref, out_dtype)
+        used |= {p.cfg.mcast for p in g._plans.values()}
+    cm = _rand(rng, (m, n), "fp16")
+    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
+    ck.gemm(da, db, out=out, c=DeviceArray.from_numpy(cm))
+    _check(out.numpy(), ref + cm.astype(np.float64), "bf16")
+    d0 = rng.standard_normal((m, n)).astype(np.float32)
+    d = DeviceArray.from_numpy(d0)
+    for _ in range(2):
+        ck.gemm(da, db, out=d, c=d)
+    _check(d.numpy(), d0.astype(np.float64) + 2 * ref, "fp32")
+    used |= {p.cfg.mcast for p in g._plans.values()}
+    assert mode in used  # the forced pairing really ran

@@ -19,12 +19,15 @@ ALIGN_SLACK = 1024           # the kernel aligns its dynamic shared memory to 10
 _KIND = {dt.bfloat16: "KIND_BF16", dt.float16: "KIND_FP16", dt.float32: "KIND_FP32"}
 _INPUTS = (dt.bfloat16, dt.float16)
 _OUTPUTS = (dt.bfloat16, dt.float16, dt.float32)
-_ARGS = ("tmap", "tmap", "tmap", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i32", "i32", "i32", "i32")
-MAX_STAGES = 8
+_ARGS = ("tmap", "tmap", "tmap", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i32", "i32", "i32", "i32",
+         "i32")
+MAX_STAGES = 16
 MIN_SPLIT_STAGES = 3         # split-K configs keep at least this many stages
 MIN_KBLOCKS_PER_SPLIT = 4    # 256 k elements: below this the partial's reduce costs more than its math
 MAX_SPLITS = 128
 SPLIT_MARGIN = 0.9           # a split config must beat the unsplit estimate by 10% (the model is rough)
+MULTICAST = True             # let the heuristic pair CTAs in 2-CTA clusters (scripts turn it off to compare)
+MCAST_NONE, MCAST_SHARE_B, MCAST_SHARE_A = 0, 1, 2  # ptx/gemm.cu MCAST
 
 # Throughput model for choosing split-K (H100-class): per-SM dense bf16 rate, memory bandwidth, fixed costs.
 _SM_FLOPS = 790e12 / 132
@@ -41,15 +44,28 @@ class GemmConfig:
     stages: int
     splits: int
     smem: int  # dynamic shared memory bytes, alignment slack included
+    mcast: int = MCAST_NONE  # 2-CTA cluster pairing tiles along M (sharing B) or along N (sharing A)
+    group_m: int = 1         # cluster-tile rows per group of the tile order
 
     @property
     def threads(self) -> int:
         return 128 * (self.bm // 64 + 1)
 
+    @property
+    def cluster(self) -> int:
+        return 2 if self.mcast else 1
 
-def epilogue_chunk(bn: int) -> int:
-    """Columns per epilogue chunk (ptx/gemm.cu CH): the largest power of two <= 64 dividing BN."""
-    return next(c for c in (64, 32, 16, 8) if bn % c == 0)
+
+def epilogue_chunk(bn: int, epi_bytes: int) -> int:
+    """Columns per epilogue chunk (ptx/gemm.cu CH): the largest power of two dividing BN whose row is at most
+    128 bytes (one swizzle span)."""
+    return next(c for c in (64, 32, 16, 8) if bn % c == 0 and c * epi_bytes <= 128)
+
+
+def epilogue_swizzle(bn: int, epi_bytes: int) -> int:
+    """The output map's swizzle span: one chunk row (no swizzle below 32 bytes)."""
+    row = epilogue_chunk(bn, epi_bytes) * epi_bytes
+    return row if row >= 32 else 0
 
 
 def stage_bytes(bm: int, bn: int, b_kn: bool = False) -> int:
@@ -61,12 +77,12 @@ def stage_bytes(bm: int, bn: int, b_kn: bool = False) -> int:
 def smem_bytes(bm: int, bn: int, stages: int, epi_bytes: int, b_kn: bool = False) -> int:
     """Mirror of ptx/gemm.cu's layout: A and B stages, two 64 x CH output chunks per consumer, 2 barriers per
     stage, flags, alignment slack."""
-    return (stages * stage_bytes(bm, bn, b_kn) + bm * 2 * epilogue_chunk(bn) * epi_bytes + 16 * stages + 16
-            + ALIGN_SLACK)
+    return (stages * stage_bytes(bm, bn, b_kn) + bm * 2 * epilogue_chunk(bn, epi_bytes) * epi_bytes + 16 * stages
+            + 16 + ALIGN_SLACK)
 
 
 def max_stages(bm: int, bn: int, epi_bytes: int, budget: int, b_kn: bool = False) -> int:
-    fixed = bm * 2 * epilogue_chunk(bn) * epi_bytes + 16 + ALIGN_SLACK
+    fixed = bm * 2 * epilogue_chunk(bn, epi_bytes) * epi_bytes + 16 + ALIGN_SLACK
     per_stage = stage_bytes(bm, bn, b_kn) + 16
     return min(MAX_STAGES, (budget - fixed) // per_stage)
 
@@ -148,7 +164,39 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
         bn = no_split()
     epi = 4 if (splits > 1 or accumulate) else out_bytes
     stages = max_stages(bm, bn, epi, budget, b_kn)
-    return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn))
+    mcast = pick_multicast(m, n, bm, bn, splits, b_kn, props) if MULTICAST else MCAST_NONE
+    return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn), mcast,
+                      group_rows(m, n, bm, bn, mcast, props))
+
+
+def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, props: DeviceProperties) -> int:
+    """Pair tiles in 2-CTA clusters when it adds no wave: along M sharing B (halves the B reads), or along N
+    sharing A; the side whose half-tile saves more bytes wins. Each half must be whole 8-row swizzle atoms, and B
+    as [K, N] is never shared (it comes in panels)."""
+    tiles_m, tiles_n = -(-m // bm), -(-n // bn)
+    slots = props.sm_count - props.sm_count % 2
+    waves = -(-tiles_m * tiles_n * splits // slots)
+    best, saved = MCAST_NONE, 0
+    if not b_kn and bn % 16 == 0 and tiles_m >= 2:
+        if -(-2 * -(-tiles_m // 2) * tiles_n * splits // slots) <= waves and bn > saved:
+            best, saved = MCAST_SHARE_B, bn
+    if bm % 128 == 0 and tiles_n >= 2:
+        if -(-tiles_m * 2 * -(-tiles_n // 2) * splits // slots) <= waves and bm > saved:
+            best, saved = MCAST_SHARE_A, bm
+    return best
+
+
+def group_rows(m: int, n: int, bm: int, bn: int, mcast: int, props: DeviceProperties) -> int:
+    """Cluster-tile rows per group of the tile order. A wave covers about `group x (wave / group)` cluster tiles;
+    the group that minimises the A rows plus B rows a wave reads is sqrt(wave * tile_n / tile_m). When all
+    tiles fit in one wave the order does not matter (one group: M fastest)."""
+    cl_bm = bm * (2 if mcast == MCAST_SHARE_B else 1)
+    cl_bn = bn * (2 if mcast == MCAST_SHARE_A else 1)
+    cl_tiles_m, cl_tiles_n = -(-m // cl_bm), -(-n // cl_bn)
+    wave = props.sm_count // (2 if mcast else 1)
+    if cl_tiles_m * cl_tiles_n <= wave:
+        return cl_tiles_m
+    return max(1, min(cl_tiles_m, round((wave * cl_bn / cl_bm) ** 0.5)))
 
 
 def _defines(in_dtype, out_dtype, cfg: GemmConfig, epi: str = "EPI_STORE", c_dtype=None,
@@ -161,6 +209,8 @@ def _defines(in_dtype, out_dtype, cfg: GemmConfig, epi: str = "EPI_STORE", c_dty
         d["C_KIND"] = _KIND[c_dtype]
     if deterministic:
         d["DETERMINISTIC"] = 1
+    if cfg.mcast:
+        d["MCAST"] = cfg.mcast
     return d
 
 
@@ -294,21 +344,34 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, props) -> _P
     det = deterministic and cfg.splits > 1
     c_dtype = cv.dtype if (cv is not None and not accumulate) else None
     defines = _defines(av.dtype, dv.dtype, cfg, epi, c_dtype, det, b_kn)
-    launch = get_launcher("gemm.cu", "gemm_kernel", defines, av.device, _ARGS, (cfg.threads,), cfg.smem)
-    tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
-    grid = (max(1, min(tiles * cfg.splits, props.sm_count)), 1, 1)
+    launch = get_launcher("gemm.cu", "gemm_kernel", defines, av.device, _ARGS, (cfg.threads,), cfg.smem,
+                          cluster=(cfg.cluster, 1, 1) if cfg.mcast else None)
+    tiles_m, tiles_n = -(-m // cfg.bm), -(-n // cfg.bn)
+    tiles = tiles_m * tiles_n
+    if cfg.mcast:  # clusters of two; all of them resident at once (the split-K turnstile relies on it)
+        pairs = (-(-tiles_m // 2) * tiles_n if cfg.mcast == MCAST_SHARE_B else tiles_m * -(-tiles_n // 2))
+        clusters = min(pairs * cfg.splits, props.sm_count // 2, launch.max_active_clusters())
+        if clusters < 1:
+            raise RuntimeError(f"gemm: no 2-CTA cluster of {cfg.smem} bytes of shared memory fits this device")
+        grid = (2 * clusters, 1, 1)
+    else:
+        grid = (max(1, min(tiles * cfg.splits, props.sm_count)), 1, 1)
     it = av.dtype.itemsize
     ld_w = -(-n // 4) * 4
-    map_a = (av.dtype, (k, m), (av.strides[0] * it,), (BK, cfg.bm), 128)
+    a_rows = cfg.bm // 2 if cfg.mcast == MCAST_SHARE_A else cfg.bm  # a multicast side loads half a tile
+    map_a = (av.dtype, (k, m), (av.strides[0] * it,), (BK, a_rows), 128)
     if b_kn:  # [K, N]: boxes of 64 N x 64 K, loaded panel by panel
         map_b = (bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128)
     else:
-        map_b = (bv.dtype, (k, n), (bv.strides[0] * it,), (BK, cfg.bn), 128)
-    ch = epilogue_chunk(cfg.bn)
+        b_rows = cfg.bn // 2 if cfg.mcast == MCAST_SHARE_B else cfg.bn
+        map_b = (bv.dtype, (k, n), (bv.strides[0] * it,), (BK, b_rows), 128)
+    epi_bytes = 4 if epi != "EPI_STORE" else dv.dtype.itemsize
+    box_out = (epilogue_chunk(cfg.bn, epi_bytes), 64)
+    swz = epilogue_swizzle(cfg.bn, epi_bytes)
     if epi == "EPI_SPLIT":
-        map_out = (dt.float32, (n, m), (ld_w * 4,), (ch, 64), 0)
+        map_out = (dt.float32, (n, m), (ld_w * 4,), box_out, swz)
     else:
-        map_out = (dv.dtype, (n, m), (dv.strides[0] * dv.dtype.itemsize,), (ch, 64), 0)
+        map_out = (dv.dtype, (n, m), (dv.strides[0] * dv.dtype.itemsize,), box_out, swz)
     workspace = epi == "EPI_SPLIT" or (epi == "EPI_ACCUMULATE" and det)
     return _Plan(cfg, epi, launch, grid, map_a, map_b, map_out, ld_w, tiles * (cfg.bm // 64), workspace,
                  c_dtype is not None)
@@ -370,5 +433,5 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
     m, k = av.shape
     plan.launch(plan.grid, h, maps.get("a", plan.map_a, av.ptr), maps.get("b", plan.map_b, bv.ptr),
                 maps.get("out", plan.map_out, out_ptr), dv.ptr, dv.strides[0], w_ptr, plan.ld_w, c_ptr, ld_c,
-                counters, m, dv.shape[1], k, plan.cfg.splits)
+                counters, m, dv.shape[1], k, plan.cfg.splits, plan.cfg.group_m)
     return dv if out is None else out

@@ -133,6 +133,20 @@ class Launcher:
         self._handle = function.handle
         self._device = function.device
 
+    def max_active_clusters(self) -> int:
+        """How many clusters of this launch's shape (block, smem, cluster dims) can be resident at once."""
+        src = self._slots.config
+        cfg = cu.CUlaunchConfig()
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = src.blockDimX, src.blockDimY, src.blockDimZ
+        cfg.sharedMemBytes = src.sharedMemBytes
+        cfg.attrs = src.attrs
+        cfg.numAttrs = src.numAttrs
+        cx = next((a.value.clusterDim.x for a in src.attrs
+                   if a.id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION), 1)
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = cx * 1024, 1, 1
+        use_device(self._device)
+        return check(cu.cuOccupancyMaxActiveClusters(self._handle, cfg))
+
     def __call__(self, grid, stream: int, *args) -> None:
         s = self._slots
         if len(args) != len(self.kinds):

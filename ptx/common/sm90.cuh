@@ -58,6 +58,16 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap_st* map
       :: "r"(smem_u32(dst)), "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1) : "memory");
 }
 
+// As tma_load_2d, but the box lands at the same shared offset in every CTA of `cta_mask` (this cluster's ranks)
+// and completes its bytes on the barrier at the same offset in each of them.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap_st* map, u64* bar, int c0, int c1,
+                                                      u16 cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%3, %4}], [%2], %5;"
+      :: "r"(smem_u32(dst)), "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "h"(cta_mask) : "memory");
+}
+
 // Shared -> global; the out-of-bounds part of the box is not written.
 __device__ __forceinline__ void tma_store_2d(const CUtensorMap_st* map, const void* src, int c0, int c1) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
@@ -92,6 +102,25 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 // Order this thread's completed async-proxy (TMA) global writes with its generic-proxy accesses, and back.
 __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// ---- clusters -----------------------------------------------------------------------------------------------------
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA in the cluster arrives, then waits (release/acquire at cluster scope).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Arrive on the barrier at the same shared offset as `bar` in the cluster's CTA `rank` (possibly this one).
+__device__ __forceinline__ void mbar_arrive_cluster(u64* bar, u32 rank) {
+  asm volatile("{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, %0, %1;\n\t"
+               "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n\t}"
+               :: "r"(smem_u32(bar)), "r"(rank) : "memory");
 }
 
 // ---- inter-CTA signalling (split-K counters) --------------------------------------------------------------------
@@ -152,6 +181,32 @@ template <int R>
 __device__ __forceinline__ void fence_registers(float (&r)[R]) {
 #pragma unroll
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+
+// ---- epilogue: registers -> shared --------------------------------------------------------------------------------
+// Four 8x8 matrices of 16-bit pairs: lane i gives the row address for row i % 8 of matrix i / 8, and register j
+// holds this lane's pair (row lane / 4, columns 2 * (lane % 4) + {0, 1}) of matrix j: the wgmma accumulator layout.
+__device__ __forceinline__ void stmatrix_x4(void* row_addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+               :: "r"(smem_u32(row_addr)), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
+// Two matrices; lanes 0..15 give the row addresses.
+__device__ __forceinline__ void stmatrix_x2(void* row_addr, u32 r0, u32 r1) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1, %2};"
+               :: "r"(smem_u32(row_addr)), "r"(r0), "r"(r1) : "memory");
+}
+
+// Byte offset of 16-byte granule `g` of row `row` in a tile of `ROW_BYTES`-byte rows that a TMA map with
+// swizzle span ROW_BYTES (32, 64 or 128; 16 means no swizzle) reads or writes: the granule index is XORed with
+// address bits 7 and up (the tile must be aligned to 8 x 128 bytes).
+template <int ROW_BYTES>
+__device__ __forceinline__ u32 swizzled_offset(int row, int g) {
+  if constexpr (ROW_BYTES < 32) {
+    return row * ROW_BYTES + g * 16;
+  } else {
+    return row * ROW_BYTES + ((g ^ ((row * ROW_BYTES >> 7) & (ROW_BYTES / 16 - 1))) << 4);
+  }
 }
 
 // ---- warp specialisation -----------------------------------------------------------------------------------------

@@ -1,0 +1,63 @@
+"""Same-run comparison of GEMM heuristic variants against cuBLAS on the benchmark shapes (bf16 in and out).
+
+    python scripts/gemm_variants.py [large|skinny|MxNxK ...] [--variants base,nomcast]
+
+A variant is a set of module overrides of cudart_kernels.ops.gemm (see VARIANTS); plans are rebuilt for each.
+"""
+import argparse
+
+import torch
+
+import cudart_kernels as ck
+from cudart_kernels.bench import sets_beyond_l2, time_us
+from cudart_kernels.ops import gemm as g
+from cudart_kernels.runtime.driver import device_properties
+
+VARIANTS = {
+    "base": {},
+    "nomcast": {"MULTICAST": False},
+    "nosplit": {"_force_split": 1},
+}
+
+ap = argparse.ArgumentParser()
+ap.add_argument("shapes", nargs="*", default=["large", "skinny"])
+ap.add_argument("--variants", default="base,nomcast")
+args = ap.parse_args()
+shapes = []
+for s in args.shapes:
+    shapes += g.BENCH_SHAPES[s] if s in g.BENCH_SHAPES else [tuple(map(int, s.split("x")))]
+names = args.variants.split(",")
+props = device_properties(0)
+defaults = {k: getattr(g, k) for v in VARIANTS.values() for k in v if not k.startswith("_")}
+
+print(f"device: {torch.cuda.get_device_name()}")
+print("| MxNxK | cuBLAS us | " + " | ".join(f"{n} us (cfg) | {n} x" for n in names) + " |")
+ratios = {n: [] for n in names}
+for m, n, k in shapes:
+    sets = sets_beyond_l2((m * k + n * k + m * n) * 2, cap=16)
+    a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    b = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    d = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    ref = a[0].double() @ b[0].double().t()
+    iters = max(3, min(50, int(2e5 // max(1.0, 2 * m * n * k / 700e6))))
+    cub = time_us(lambda i: torch.matmul(a[i], b[i].t(), out=d[i]), sets, iters=iters)
+    cells = []
+    for name in names:
+        over = VARIANTS[name]
+        for key, val in defaults.items():
+            setattr(g, key, over.get(key, val))
+        g._plans.clear()
+        split = over.get("_force_split")
+        cfg = g.pick_config(m, n, k, 2, props, split)
+        d[0].fill_(float("nan"))
+        ck.gemm(a[0], b[0], out=d[0], split_k=split)
+        err = ((d[0].double() - ref).norm() / ref.norm()).item()
+        us = time_us(lambda i: ck.gemm(a[i], b[i], out=d[i], split_k=split), sets, iters=iters)
+        ratios[name].append(cub / us)
+        bad = "" if err < 1e-2 else f" ERR {err:.1e}"
+        cells.append(f"{us:.1f} ({cfg.bm}x{cfg.bn} st{cfg.stages} s{cfg.splits} mc{cfg.mcast} g{cfg.group_m}){bad} "
+                     f"| {cub / us:.2f}")
+    print(f"| {m}x{n}x{k} | {cub:.1f} | " + " | ".join(cells) + " |", flush=True)
+    a = b = d = None
+geo = {n: torch.tensor(r).log().mean().exp().item() for n, r in ratios.items()}
+print("geomean cuBLAS/ours: " + ", ".join(f"{n} {v:.3f}" for n, v in geo.items()))
