@@ -17,6 +17,8 @@ VARIANTS = {
     "base": {},
     "nomcast": {"MULTICAST": False},
     "nosplit": {"_force_split": 1},
+    "nogroup": {"MULTICAST": False, "group_rows": lambda m, n, bm, bn, mcast, props: -(-m // bm)},
+    "mcnogroup": {"group_rows": lambda m, n, bm, bn, mcast, props: -(-m // (bm * (2 if mcast == 1 else 1)))},
 }
 
 ap = argparse.ArgumentParser()
@@ -55,7 +57,9 @@ for m, n, k in shapes:
         us = time_us(lambda i: ck.gemm(a[i], b[i], out=d[i], split_k=split), sets, iters=iters)
         ratios[name].append(cub / us)
         bad = "" if err < 1e-2 else f" ERR {err:.1e}"
-        cells.append(f"{us:.1f} ({cfg.bm}x{cfg.bn} st{cfg.stages} s{cfg.splits} mc{cfg.mcast} g{cfg.group_m}){bad} "
+        grid = next(iter(g._plans.values())).grid[0]
+        cells.append(f"{us:.1f} ({cfg.bm}x{cfg.bn} st{cfg.stages} s{cfg.splits} mc{cfg.mcast} g{cfg.group_m} "
+                     f"grid{grid}){bad} "
                      f"| {cub / us:.2f}")
     print(f"| {m}x{n}x{k} | {cub:.1f} | " + " | ".join(cells) + " |", flush=True)
     a = b = d = None
