@@ -9,7 +9,7 @@ import argparse
 import torch
 
 import cudart_kernels as ck
-from cudart_kernels.bench import sets_beyond_l2, time_us
+from cudart_kernels.bench import graph_time_us, sets_beyond_l2
 from cudart_kernels.ops import gemm as g
 from cudart_kernels.runtime.driver import device_properties
 
@@ -42,7 +42,7 @@ for m, n, k in shapes:
     d = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
     ref = a[0].double() @ b[0].double().t()
     iters = max(3, min(50, int(2e5 // max(1.0, 2 * m * n * k / 700e6))))
-    cub = time_us(lambda i: torch.matmul(a[i], b[i].t(), out=d[i]), sets, iters=iters)
+    cub = graph_time_us(torch, lambda i: torch.matmul(a[i], b[i].t(), out=d[i]), sets, iters=iters)
     cells = []
     for name in names:
         over = VARIANTS[name]
@@ -54,7 +54,7 @@ for m, n, k in shapes:
         d[0].fill_(float("nan"))
         ck.gemm(a[0], b[0], out=d[0], split_k=split)
         err = ((d[0].double() - ref).norm() / ref.norm()).item()
-        us = time_us(lambda i: ck.gemm(a[i], b[i], out=d[i], split_k=split), sets, iters=iters)
+        us = graph_time_us(torch, lambda i: ck.gemm(a[i], b[i], out=d[i], split_k=split), sets, iters=iters)
         ratios[name].append(cub / us)
         bad = "" if err < 1e-2 else f" ERR {err:.1e}"
         grid = next(iter(g._plans.values())).grid[0]

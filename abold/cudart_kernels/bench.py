@@ -1,0 +1,261 @@
+"""Benchmark harness (DESIGN.md section 4): CUDA events over many launches after warm-up, median of repeats,
+inputs rotated over more than 2x L2 so nothing is served hot from cache, peers timed in the same process.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from .runtime import dtypes as dt
+from .runtime.driver import check, device_properties, require_gpu, use_device
+from .runtime.interop import DeviceArray
+
+
+@dataclass
+class Row:
+    op: str
+    case: str
+    us: float
+    gbytes: float = 0.0   # bytes moved (read + written), in GB
+    tflops: float = 0.0   # work, in TFLOP
+    peer: str = ""
+    peer_us: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.gbytes / (self.us * 1e-6) if self.us else 0.0
+
+    @property
+    def tflops_rate(self) -> float:
+        return self.tflops / (self.us * 1e-6) if self.us else 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Peer time over ours: > 1 means we are faster."""
+        return self.peer_us / self.us if self.us and self.peer_us else 0.0
+
+
+def time_us(run, n_sets: int = 1, iters: int = 20, repeats: int = 7, warmup: int = 3, stream: int = 0) -> float:
+    """Median over `repeats` of the mean time per call of `run(i)` (i rotates over n_sets input sets)."""
+    start = check(cu.cuEventCreate(0))
+    end = check(cu.cuEventCreate(0))
+    try:
+        for i in range(warmup):
+            run(i % n_sets)
+        check(cu.cuStreamSynchronize(stream))
+        samples = []
+        k = 0
+        for _ in range(repeats):
+            check(cu.cuEventRecord(start, stream))
+            for _ in range(iters):
+                run(k % n_sets)
+                k += 1
+            check(cu.cuEventRecord(end, stream))
+            check(cu.cuEventSynchronize(end))
+            samples.append(check(cu.cuEventElapsedTime(start, end)) * 1e3 / iters)
+        return statistics.median(samples)
+    finally:
+        cu.cuEventDestroy(start)
+        cu.cuEventDestroy(end)
+
+
+def sets_beyond_l2(bytes_per_set: int, device: int = 0, cap: int = 64) -> int:
+    """How many input sets together exceed 2x L2."""
+    l2 = device_properties(device).l2_bytes
+    return max(1, min(cap, -(-2 * l2 // max(1, bytes_per_set)) + 1))
+
+
+def copy_bandwidth_row(nbytes: int = 1 << 30, device: int = 0) -> Row:
+    """Device-to-device copy: the memory roofline the memory-bound kernels are judged against."""
+    src = DeviceArray.empty((nbytes,), "e4m3", device).fill_bytes(0x5A)
+    dst = DeviceArray.empty((nbytes,), "e4m3", device)
+    us = time_us(lambda i: check(cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, nbytes, 0)), iters=10)
+    return Row("copy", f"{nbytes >> 20} MiB D2D", us, gbytes=2 * nbytes / 1e9)
+
+
+def host_overhead_us(call, n: int = 200, batches: int = 60) -> float:
+    """Median over batches of the mean wall time of one Python call (to launch return), cached config."""
+    for _ in range(200):
+        call()
+    per = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        per.append((time.perf_counter() - t0) / n * 1e6)
+        check(cu.cuCtxSynchronize())
+    return statistics.median(per)
+
+
+def torch_or_none():
+    try:
+        import torch
+        return torch if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def markdown(rows: list[Row], copy_gbps: float) -> str:
+    def cell(v, fmt):
+        return format(v, fmt) if v else ""
+
+    lines = ["| op | case | time (us) | GB/s | % copy BW | TFLOP/s | peer | peer (us) | peer/ours |",
+             "|---|---|---:|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        pct = f"{100 * r.gbps / copy_gbps:.0f}%" if r.gbytes and copy_gbps else ""
+        lines.append(f"| {r.op} | {r.case} | {r.us:.1f} | {cell(r.gbps, '.0f')} | {pct} | {cell(r.tflops_rate, '.1f')} "
+                     f"| {r.peer} | {cell(r.peer_us, '.1f')} | {cell(r.ratio, '.2f')} |")
+    return "\n".join(lines)
+
+
+def run(ops: list[str], json_path: str | None = None, quick: bool = False, device: int = 0) -> list[Row]:
+    require_gpu()
+    use_device(device)
+    props = device_properties(device)
+    copy = copy_bandwidth_row(device=device)
+    rows = [copy]
+    for op in ops:
+        rows += BENCHES[op](quick=quick, device=device)
+    table = markdown(rows, copy.gbps)
+    print(f"device: {props.name}, {props.sm_count} SMs, L2 {props.l2_bytes >> 20} MiB; "
+          f"copy bandwidth {copy.gbps:.0f} GB/s (read + write)\n")
+    print(table)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"device": props.name, "copy_gbps": copy.gbps,
+                       "rows": [dict(asdict(r), gbps=r.gbps, tflops_rate=r.tflops_rate, ratio=r.ratio)
+                                for r in rows]}, f, indent=1)
+    return rows
+
+
+# ---- per-op benchmark sets --------------------------------------------------------------------------------------
+
+def _torch_quant(torch, x, block_rows: int):
+    """DeepGEMM's quantization recipe in eager torch (context row; K a multiple of 128)."""
+    m, k = x.shape
+    if block_rows == 1:
+        v = x.view(m, k // 128, 128).float()
+        amax = v.abs().amax(-1, keepdim=True).clamp(1e-4)
+    else:
+        v = x.view(m // 128, 128, k // 128, 128).float()
+        amax = v.abs().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    return (v * (448.0 / amax)).to(torch.float8_e4m3fn).view(m, k), amax / 448.0
+
+
+def bench_quant(quick: bool = False, device: int = 0) -> list[Row]:
+    from .ops.quantize import quantize_fp8_per_block, quantize_fp8_per_token
+
+    torch = torch_or_none()
+    rng = np.random.default_rng(0)
+    token_cases = [((4096, 7168), "bf16"), ((16384, 7168), "bf16"), ((8192, 7168), "fp32")]
+    block_cases = [((7168, 16384), "bf16"), ((24576, 1536), "bf16"), ((7168, 16384), "fp32")]
+    if quick:
+        token_cases, block_cases = token_cases[1:2], block_cases[:1]
+    rows = []
+    for kind, cases, fn in (("per_token", token_cases, quantize_fp8_per_token),
+                            ("per_block", block_cases, quantize_fp8_per_block)):
+        for (m, k), name in cases:
+            dtype = dt.as_dtype(name)
+            g_rows = 1 if kind == "per_token" else 128
+            nbytes = m * k * (dtype.itemsize + 1) + 4 * (-(-m // g_rows)) * (-(-k // 128))
+            n = sets_beyond_l2(nbytes, device)
+            host = rng.standard_normal((m, k), dtype=np.float32).astype(dtype.numpy)
+            xs = [DeviceArray.from_numpy(host, device=device) for _ in range(n)]
+            outs = [fn(x) for x in xs]  # also warms the compile cache
+            us = time_us(lambda i: fn(xs[i], out=outs[i][0], out_scales=outs[i][1]), n)
+            row = Row(f"quant_{kind}", f"{m}x{k} {name}", us, gbytes=nbytes / 1e9, extra={"sets": n})
+            if torch is not None:
+                ts = [torch.from_dlpack(x) for x in xs]
+                row.peer = "torch eager recipe"
+                row.peer_us = time_us(lambda i: _torch_quant(torch, ts[i], g_rows), n)
+            rows.append(row)
+            xs = outs = None  # free this shape's buffers before the next
+    # Host overhead: Python call to launch return, cached config, preallocated outputs.
+    x = DeviceArray.from_numpy(rng.standard_normal((128, 7168), dtype=np.float32), "bf16", device)
+    q, s = quantize_fp8_per_token(x)
+    us = host_overhead_us(lambda: quantize_fp8_per_token(x, out=q, out_scales=s))
+    rows.append(Row("host", "quantize_fp8_per_token call, DeviceArray in/out", us))
+    if torch is not None:
+        tx, tq, ts_ = (torch.from_dlpack(a) for a in (x, q, s))
+        us = host_overhead_us(lambda: quantize_fp8_per_token(tx, out=tq, out_scales=ts_))
+        rows.append(Row("host", "quantize_fp8_per_token call, torch in/out", us))
+        w = torch.randn(128, 7168, device="cuda", dtype=torch.bfloat16)
+        rows.append(Row("host", "torch.matmul call (128x7168 @ 7168x128, bf16), reference",
+                        host_overhead_us(lambda: torch.matmul(w, w.t()))))
+    return rows
+
+
+def _torch_addmm_fp32(torch):
+    """torch's D(fp32) += A @ B^T for bf16 A, B: addmm with out_dtype where torch has it, else in fp32."""
+    def with_out_dtype(d, a, b):
+        return torch.addmm(d, a, b.t(), out_dtype=torch.float32, out=d)
+
+    def upcast(d, a, b):
+        return d.addmm_(a.float(), b.float().t())
+
+    try:
+        x = torch.zeros(16, 16, device="cuda", dtype=torch.float32)
+        y = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+        with_out_dtype(x, y, y)
+        return with_out_dtype, "torch.addmm(out_dtype=fp32)"
+    except Exception:
+        return upcast, "torch addmm_ in fp32 (upcast inputs)"
+
+
+def bench_gemm(quick: bool = False, device: int = 0) -> list[Row]:
+    """Large and skinny sets against cuBLAS (torch.matmul) in the same run; skinny also with split-K off;
+    D(fp32) += A @ B^T against torch's addmm; a host-overhead row."""
+    from .ops.gemm import BENCH_SHAPES, gemm
+
+    torch = torch_or_none()
+    if torch is None:
+        raise RuntimeError("bench --op gemm needs torch for the cuBLAS peer")
+    rows = []
+    sets_of = {"large": BENCH_SHAPES["large"], "skinny": BENCH_SHAPES["skinny"]}
+    if quick:
+        sets_of = {"large": [(8192, 8192, 8192)], "skinny": [(128, 128, 65536)]}
+    for name, shapes in sets_of.items():
+        for m, n, k in shapes:
+            nbytes = (m * k + n * k + m * n) * 2
+            sets = sets_beyond_l2(nbytes, device, cap=16)
+            a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+            b = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+            d = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+            iters = max(3, min(50, int(2e5 // max(1.0, 2 * m * n * k / 700e6))))
+            peer = time_us(lambda i: torch.matmul(a[i], b[i].t(), out=d[i]), sets, iters=iters)
+            ours = time_us(lambda i: gemm(a[i], b[i], out=d[i]), sets, iters=iters)
+            rows.append(Row(f"gemm_{name}", f"{m}x{n}x{k} bf16", ours, gbytes=nbytes / 1e9,
+                            tflops=2 * m * n * k / 1e12, peer="cuBLAS", peer_us=peer))
+            if name == "skinny":
+                off = time_us(lambda i: gemm(a[i], b[i], out=d[i], split_k=1), sets, iters=iters)
+                rows.append(Row("gemm_skinny_nosplit", f"{m}x{n}x{k} bf16, split_k=1", off, gbytes=nbytes / 1e9,
+                                tflops=2 * m * n * k / 1e12, peer="cuBLAS", peer_us=peer,
+                                extra={"split_speedup": off / ours}))
+            a = b = d = None
+    if not quick:
+        m, n, k = 4096, 4096, 7168
+        fn, label = _torch_addmm_fp32(torch)
+        sets = sets_beyond_l2((m * k + n * k) * 2 + m * n * 4, device, cap=16)
+        a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+        b = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+        d = [torch.randn(m, n, device="cuda", dtype=torch.float32) for _ in range(sets)]
+        peer = time_us(lambda i: fn(d[i], a[i], b[i]), sets, iters=10)
+        ours = time_us(lambda i: gemm(a[i], b[i], out=d[i], c=d[i]), sets, iters=10)
+        rows.append(Row("gemm_accumulate", f"{m}x{n}x{k}, D(fp32) += A @ B^T", ours, tflops=2 * m * n * k / 1e12,
+                        peer=label, peer_us=peer))
+    x = torch.randn(128, 1024, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    z = torch.empty(128, 256, device="cuda", dtype=torch.bfloat16)
+    rows.append(Row("host", "gemm call 128x256x1024, torch in/out", host_overhead_us(lambda: gemm(x, y, out=z))))
+    rows.append(Row("host", "torch.matmul call, same shape (reference)",
+                    host_overhead_us(lambda: torch.matmul(x, y.t(), out=z))))
+    return rows
+
+
+BENCHES = {"quant": bench_quant, "gemm": bench_gemm}

@@ -1,0 +1,374 @@
+"""BF16/FP16 GEMM on Hopper: D = A @ B^T (+ C) with A [M, K] and B [N, K] (or D = A @ B with B [K, N]), 16-bit
+inputs, fp32 accumulation, D bf16, fp16 or fp32; split-K through TMA reduce-add; D += A @ B^T in place for an
+fp32 D."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from cuda.bindings import driver as cu
+
+from ..runtime import dtypes as dt
+from ..runtime.driver import DeviceProperties, check, device_properties, stream_handle
+from ..runtime.interop import DeviceArray, as_array, require
+from ..runtime.launch import get_launcher
+from ..runtime.tensormap import AddressedMapCache
+
+BK = 64                      # k elements per pipeline stage (128 bytes: one 128-byte swizzle span)
+ALIGN_SLACK = 1024           # the kernel aligns its dynamic shared memory to 1024 bytes
+_KIND = {dt.bfloat16: "KIND_BF16", dt.float16: "KIND_FP16", dt.float32: "KIND_FP32"}
+_INPUTS = (dt.bfloat16, dt.float16)
+_OUTPUTS = (dt.bfloat16, dt.float16, dt.float32)
+_ARGS = ("tmap", "tmap", "tmap", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i32", "i32", "i32", "i32")
+MAX_STAGES = 8
+MIN_SPLIT_STAGES = 3         # split-K configs keep at least this many stages
+MIN_KBLOCKS_PER_SPLIT = 4    # 256 k elements: below this the partial's reduce costs more than its math
+MAX_SPLITS = 128
+SPLIT_MARGIN = 0.9           # a split config must beat the unsplit estimate by 10% (the model is rough)
+
+# Throughput model for choosing split-K (H100-class): per-SM dense bf16 rate, memory bandwidth, fixed costs.
+_SM_FLOPS = 790e12 / 132
+_BANDWIDTH = 3.0e12
+_L2_BANDWIDTH = 6.0e12
+_SM_FILL_BANDWIDTH = 80e9    # L2 -> shared memory per SM (64x7168x16384 measured ~65 GB/s per SM)
+_SPLIT_OVERHEAD_S = 2e-6     # counters, finalisation, the extra epilogue
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    bm: int
+    bn: int
+    stages: int
+    splits: int
+    smem: int  # dynamic shared memory bytes, alignment slack included
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.bm // 64 + 1)
+
+
+def epilogue_chunk(bn: int) -> int:
+    """Columns per epilogue chunk (ptx/gemm.cu CH): the largest power of two <= 64 dividing BN."""
+    return next(c for c in (64, 32, 16, 8) if bn % c == 0)
+
+
+def stage_bytes(bm: int, bn: int, b_kn: bool = False) -> int:
+    """One pipeline stage: the A tile and the B tile (B as [K, N] comes in 64-column panels)."""
+    b_cols = -(-bn // 64) * 64 if b_kn else bn
+    return (bm + b_cols) * BK * 2
+
+
+def smem_bytes(bm: int, bn: int, stages: int, epi_bytes: int, b_kn: bool = False) -> int:
+    """Mirror of ptx/gemm.cu's layout: A and B stages, two 64 x CH output chunks per consumer, 2 barriers per
+    stage, flags, alignment slack."""
+    return (stages * stage_bytes(bm, bn, b_kn) + bm * 2 * epilogue_chunk(bn) * epi_bytes + 16 * stages + 16
+            + ALIGN_SLACK)
+
+
+def max_stages(bm: int, bn: int, epi_bytes: int, budget: int, b_kn: bool = False) -> int:
+    fixed = bm * 2 * epilogue_chunk(bn) * epi_bytes + 16 + ALIGN_SLACK
+    per_stage = stage_bytes(bm, bn, b_kn) + 16
+    return min(MAX_STAGES, (budget - fixed) // per_stage)
+
+
+def _bn_candidates(n: int) -> list[int]:
+    cands = set(range(16, 257, 16))
+    if n <= 256:
+        cands.add(-(-n // 8) * 8)
+    return sorted(b for b in cands if b <= max(16, 8 * -(-n // 8)))
+
+
+def _split_time(m, n, k, bm, bn, splits, props) -> float:
+    """Rough seconds for a split-K config: the slower of math and operand traffic, plus the partials' traffic."""
+    tiles_m, tiles_n = -(-m // bm), -(-n // bn)
+    units = tiles_m * tiles_n * splits
+    waves = -(-units // props.sm_count)
+    kspan = -(-k // splits)
+    math = waves * 2 * bm * bn * kspan / (_SM_FLOPS * bn / (bn + 32))
+    active = min(units, props.sm_count) / props.sm_count
+    # Operands: each byte from DRAM once (units sharing a k-range run together, so re-reads hit L2), and each
+    # SM streams its units' (BM + BN) x K-span tiles from L2 into shared memory at a per-SM rate.
+    dram = (m + n) * k * 2 / (_BANDWIDTH * min(1.0, 2 * active))
+    fill = waves * (bm + bn) * kspan * 2 / _SM_FILL_BANDWIDTH
+    operands = max(dram, fill)
+    # Partials are reduce-added in L2 (the workspace is a few MB): one fp32 tile per unit at L2 bandwidth.
+    partials = splits * tiles_m * bm * n * 4 / _L2_BANDWIDTH if splits > 1 else 0.0
+    return max(math, operands) + partials + (_SPLIT_OVERHEAD_S if splits > 1 else 0.0)
+
+
+def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, split_k: int | None = None,
+                accumulate: bool = False, b_kn: bool = False) -> GemmConfig:
+    """Block shape, stages and split-K count.
+
+    Without split-K (enough tiles to fill the GPU, or split_k=1): BM is 64 for M <= 64, else 128; BN runs over
+    multiples of 16 up to 256 (and N rounded up to 8 when N is small); fewer waves win, then a fuller last wave,
+    then the larger tile (the DeepGEMM approach). When the tiles do not fill the GPU, (BN, splits) pairs are
+    compared with a throughput model (`_split_time`). `split_k` forces the count. Stages fill the smem budget.
+    """
+    bm = 64 if m <= 64 else 128
+    k_blocks = -(-k // BK)
+    budget = props.smem_per_block_optin
+    epi_plain = 4 if accumulate else out_bytes
+
+    def no_split():
+        best = None
+        for bn in _bn_candidates(n):
+            if max_stages(bm, bn, epi_plain, budget, b_kn) < 2:
+                continue
+            tiles = -(-m // bm) * -(-n // bn)
+            waves = -(-tiles // props.sm_count)
+            last = tiles - (waves - 1) * props.sm_count
+            key = (waves, -last / props.sm_count, -bn)
+            if best is None or key < best[0]:
+                best = (key, bn)
+        return best[1]
+
+    if split_k is not None:
+        splits = max(1, min(int(split_k), k_blocks))
+    else:
+        splits = 1
+    if split_k is None and -(-m // bm) * -(-n // no_split()) < props.sm_count and k_blocks >= 2 * MIN_KBLOCKS_PER_SPLIT:
+        # The tiles do not fill the GPU: compare split configs with the unsplit one in the throughput model.
+        bn0 = no_split()
+        best = (SPLIT_MARGIN * _split_time(m, n, k, bm, bn0, 1, props), bn0, 1)
+        for bn in _bn_candidates(n):
+            if max_stages(bm, bn, 4, budget, b_kn) < MIN_SPLIT_STAGES:
+                continue
+            tiles = -(-m // bm) * -(-n // bn)
+            top = min(MAX_SPLITS, k_blocks // MIN_KBLOCKS_PER_SPLIT, max(1, 2 * props.sm_count // tiles))
+            for sp in range(2, top + 1):
+                t = _split_time(m, n, k, bm, bn, sp, props)
+                if t < best[0]:
+                    best = (t, bn, sp)
+        _, bn, splits = best
+    elif splits > 1:  # forced count: fewest waves of units, then the larger tile
+        fits = [b for b in _bn_candidates(n) if max_stages(bm, b, 4, budget, b_kn) >= 2]
+        bn = min(fits, key=lambda b: (-(-(-(-m // bm) * -(-n // b) * splits) // props.sm_count), -b))
+    else:
+        bn = no_split()
+    epi = 4 if (splits > 1 or accumulate) else out_bytes
+    stages = max_stages(bm, bn, epi, budget, b_kn)
+    return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn))
+
+
+def _defines(in_dtype, out_dtype, cfg: GemmConfig, epi: str = "EPI_STORE", c_dtype=None,
+             deterministic: bool = False, b_kn: bool = False) -> dict:
+    d = {"IN_KIND": _KIND[in_dtype], "OUT_KIND": _KIND[out_dtype], "BM": cfg.bm, "BN": cfg.bn,
+         "STAGES": cfg.stages, "EPI": epi}
+    if b_kn:
+        d["B_KN"] = 1
+    if c_dtype is not None:
+        d["C_KIND"] = _KIND[c_dtype]
+    if deterministic:
+        d["DETERMINISTIC"] = 1
+    return d
+
+
+BENCH_SHAPES = {
+    "large": [(8192, 8192, 8192), (4096, 7168, 16384), (4096, 4096, 7168), (4096, 2112, 7168),
+              (4096, 24576, 1536), (4096, 7168, 2048), (4096, 32768, 512)],
+    "skinny": [(16, 1280, 8192), (16, 4096, 8192), (64, 7168, 16384), (128, 128, 65536), (256, 256, 32768),
+               (128, 2048, 28672), (512, 512, 65536), (1024, 1024, 65536), (2048, 2048, 32768)],
+}
+
+
+def variants():
+    """Every kernel variant the heuristic picks for the benchmark shapes (bf16 in; bf16 and fp32 out; plain,
+    split-K, deterministic split-K, accumulate into fp32 D)."""
+    from ..runtime.driver import H100
+
+    seen = {}
+
+    def add(cfg, epi, out, deterministic=False):
+        d = _defines(dt.bfloat16, out, cfg, epi, deterministic=deterministic)
+        seen[tuple(sorted(d.items()))] = ("gemm.cu", "gemm_kernel", d, cfg.smem)
+
+    for shapes in BENCH_SHAPES.values():
+        for m, n, k in shapes:
+            for out in (dt.bfloat16, dt.float32):
+                cfg = pick_config(m, n, k, out.itemsize, H100)
+                if cfg.splits > 1:
+                    add(cfg, "EPI_SPLIT", out)
+                    add(cfg, "EPI_SPLIT", out, deterministic=True)
+                else:
+                    add(cfg, "EPI_STORE", out)
+    m, n, k = 4096, 4096, 7168  # the accumulate-into-fp32 benchmark
+    add(pick_config(m, n, k, 4, H100, accumulate=True), "EPI_ACCUMULATE", dt.float32)
+    for m, n, k in ((8192, 8192, 8192), (128, 128, 65536)):  # B as [K, N]
+        cfg = pick_config(m, n, k, 2, H100, b_kn=True)
+        d = _defines(dt.bfloat16, dt.bfloat16, cfg, "EPI_SPLIT" if cfg.splits > 1 else "EPI_STORE", b_kn=True)
+        seen[tuple(sorted(d.items()))] = ("gemm.cu", "gemm_kernel", d, cfg.smem)
+    return list(seen.values())
+
+
+class _PerThread(threading.local):
+    def __init__(self):
+        self.maps = AddressedMapCache()
+
+
+_local = _PerThread()
+_plans: dict = {}
+
+
+class _Workspace:
+    """Split-K scratch per (device, stream): an fp32 buffer and int32 counters, zero between launches (the kernel
+    re-zeroes what it used). Grown on demand; growing is not possible while a stream captures a CUDA graph."""
+
+    def __init__(self):
+        self.w = self.counters = None
+        self.w_elems = self.n_counters = 0
+
+    def ensure(self, w_elems: int, n_counters: int, device: int, stream) -> None:
+        if w_elems > self.w_elems:
+            self.w_elems = max(w_elems, 1 << 20)
+            self.w = DeviceArray.empty((self.w_elems,), dt.float32, device, stream)
+            check(cu.cuMemsetD32Async(self.w.ptr, 0, self.w_elems, self.w.stream))
+        if n_counters > self.n_counters:
+            self.n_counters = max(n_counters, 4096)
+            self.counters = DeviceArray.empty((self.n_counters,), dt.int32, device, stream)
+            check(cu.cuMemsetD32Async(self.counters.ptr, 0, self.n_counters, self.counters.stream))
+
+
+_workspaces: dict = {}
+_ws_lock = threading.Lock()
+
+
+def _workspace(device: int, h: int) -> _Workspace:
+    ws = _workspaces.get((device, h))
+    if ws is None:
+        with _ws_lock:
+            ws = _workspaces.setdefault((device, h), _Workspace())
+    return ws
+
+
+def _same_memory(x: DeviceArray, y: DeviceArray) -> bool:
+    return x.ptr == y.ptr and x.shape == y.shape and x.strides == y.strides and x.dtype is y.dtype
+
+
+@dataclass(frozen=True)
+class _Plan:
+    cfg: GemmConfig
+    epi: str
+    launch: object
+    grid: tuple
+    map_a: tuple       # tensor-map layouts (dtype, dims, strides, box, swizzle)
+    map_b: tuple
+    map_out: tuple
+    ld_w: int
+    n_counters: int
+    workspace: bool    # needs the split-K workspace / counters
+    uses_c: bool       # C is read (not accumulate-in-place)
+
+
+def _validate(av, bv, dv, cv, b_kn=False):
+    require(av, "a", dtypes=_INPUTS, ndim=2)
+    require(bv, "b", dtypes=_INPUTS, ndim=2)
+    if bv.dtype is not av.dtype:
+        raise TypeError(f"a and b must have the same dtype, got {av.dtype.name} and {bv.dtype.name}")
+    m, k = av.shape
+    kb, n = bv.shape if b_kn else bv.shape[::-1]
+    if kb != k:
+        layout = "[K, N]" if b_kn else "[N, K]"
+        raise ValueError(f"a is [M, K] = {av.shape} but b is {layout} = {bv.shape}: K differs")
+    require(dv, "out", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
+    if cv is not None:
+        require(cv, "c", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
+    for name, x in (("b", bv), ("out", dv), ("c", cv)):
+        if x is not None and x.device != av.device:
+            raise ValueError(f"{name} is on cuda:{x.device} but a is on cuda:{av.device}")
+    if k == 0:
+        raise ValueError("K must be at least 1")
+
+
+def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, props) -> _Plan:
+    _validate(av, bv, dv, cv, b_kn)
+    m, k = av.shape
+    n = dv.shape[1]
+    cfg = pick_config(m, n, k, dv.dtype.itemsize, props, split_k, accumulate, b_kn)
+    if accumulate:
+        epi = "EPI_ACCUMULATE"
+    elif cfg.splits > 1:
+        epi = "EPI_SPLIT"
+    else:
+        epi = "EPI_STORE"
+    det = deterministic and cfg.splits > 1
+    c_dtype = cv.dtype if (cv is not None and not accumulate) else None
+    defines = _defines(av.dtype, dv.dtype, cfg, epi, c_dtype, det, b_kn)
+    launch = get_launcher("gemm.cu", "gemm_kernel", defines, av.device, _ARGS, (cfg.threads,), cfg.smem)
+    tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
+    grid = (max(1, min(tiles * cfg.splits, props.sm_count)), 1, 1)
+    it = av.dtype.itemsize
+    ld_w = -(-n // 4) * 4
+    map_a = (av.dtype, (k, m), (av.strides[0] * it,), (BK, cfg.bm), 128)
+    if b_kn:  # [K, N]: boxes of 64 N x 64 K, loaded panel by panel
+        map_b = (bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128)
+    else:
+        map_b = (bv.dtype, (k, n), (bv.strides[0] * it,), (BK, cfg.bn), 128)
+    ch = epilogue_chunk(cfg.bn)
+    if epi == "EPI_SPLIT":
+        map_out = (dt.float32, (n, m), (ld_w * 4,), (ch, 64), 0)
+    else:
+        map_out = (dv.dtype, (n, m), (dv.strides[0] * dv.dtype.itemsize,), (ch, 64), 0)
+    workspace = epi == "EPI_SPLIT" or (epi == "EPI_ACCUMULATE" and det)
+    return _Plan(cfg, epi, launch, grid, map_a, map_b, map_out, ld_w, tiles * (cfg.bm // 64), workspace,
+                 c_dtype is not None)
+
+
+def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, deterministic: bool = False,
+         out_dtype=None, stream=None):
+    """D = A @ B^T (+ C).
+
+    A [M, K] and B [N, K] (or B [K, N] with b_layout="kn": D = A @ B), both bf16 or both fp16, fp32 accumulation. D [M, N] in `out`'s dtype (or `out_dtype`,
+    default the input dtype): bf16, fp16 or fp32. `c` [M, N] (bf16, fp16 or fp32) is added; with `c is out` and
+    an fp32 `out`, D += A @ B^T accumulates in place through TMA reduce-add. `split_k` forces the split count
+    (None: the heuristic decides; 1: off); `deterministic=True` makes split-K bitwise reproducible (K order).
+    Rows must be 16-byte aligned (K and N multiples of 8 for 16-bit data); every M, N, K tail is handled in the
+    kernel. Runs on `stream`; returns `out` (allocated when None).
+    """
+    if b_layout not in ("nk", "kn"):
+        raise ValueError(f"b_layout must be 'nk' (B is [N, K]) or 'kn' (B is [K, N]), got {b_layout!r}")
+    b_kn = b_layout == "kn"
+    if split_k is not None and (int(split_k) != split_k or split_k < 1):
+        raise ValueError(f"split_k must be a positive integer or None, got {split_k!r}")
+    h = stream_handle(stream)
+    av = as_array(a, h)
+    bv = as_array(b, h)
+    if out is None:
+        require(av, "a", dtypes=_INPUTS, ndim=2)
+        require(bv, "b", dtypes=_INPUTS, ndim=2)
+        od = dt.as_dtype(out_dtype) if out_dtype is not None else av.dtype
+        if od not in _OUTPUTS:
+            raise TypeError(f"out_dtype {od.name} not supported (bfloat16, float16, float32)")
+        dv = DeviceArray.empty((av.shape[0], bv.shape[1] if b_kn else bv.shape[0]), od, av.device, stream)
+    else:
+        dv = as_array(out, h)
+    cv = None if c is None else (dv if c is out else as_array(c, h))
+    accumulate = cv is not None and dv.dtype is dt.float32 and _same_memory(cv, dv)
+    key = (av.shape, av.strides, av.dtype, av.ptr & 15, bv.shape, bv.strides, bv.dtype, bv.ptr & 15, dv.shape,
+           dv.strides, dv.dtype, dv.ptr & 15, None if cv is None else (cv.shape, cv.strides, cv.dtype, cv.ptr & 15,
+           accumulate), split_k, deterministic, b_kn, av.device, bv.device, dv.device,
+           None if cv is None else cv.device)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) > 1024:
+            _plans.clear()
+        if av.ndim == 2 and bv.ndim == 2 and dv.ndim == 2 and (dv.shape[0] == 0 or dv.shape[1] == 0):
+            _validate(av, bv, dv, cv, b_kn)
+            return dv if out is None else out
+        plan = _plans[key] = _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn,
+                                   device_properties(av.device))
+    maps = _local.maps
+    w_ptr = counters = 0
+    if plan.workspace:
+        ws = _workspace(av.device, h)
+        ws.ensure(dv.shape[0] * plan.ld_w if plan.epi == "EPI_SPLIT" else 0, plan.n_counters, av.device, stream)
+        counters = ws.counters.ptr
+        if plan.epi == "EPI_SPLIT":
+            w_ptr = ws.w.ptr
+    out_ptr = w_ptr if plan.epi == "EPI_SPLIT" else dv.ptr
+    c_ptr, ld_c = (cv.ptr, cv.strides[0]) if plan.uses_c else (0, 0)
+    m, k = av.shape
+    plan.launch(plan.grid, h, maps.get("a", plan.map_a, av.ptr), maps.get("b", plan.map_b, bv.ptr),
+                maps.get("out", plan.map_out, out_ptr), dv.ptr, dv.strides[0], w_ptr, plan.ld_w, c_ptr, ld_c,
+                counters, m, dv.shape[1], k, plan.cfg.splits)
+    return dv if out is None else out

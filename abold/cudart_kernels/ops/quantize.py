@@ -1,0 +1,157 @@
+"""FP8 (e4m3) quantization in DeepGEMM's recipe: 1x128 groups for activations, 128x128 blocks for weights.
+
+scale = max(amax, 1e-4) / 448 and q = round_to_nearest_even(x * (448 / max(amax, 1e-4))), in fp32.
+"""
+from __future__ import annotations
+
+from ..runtime import dtypes as dt
+from ..runtime.driver import stream_handle
+from ..runtime.interop import DeviceArray, as_array, require
+from ..runtime.launch import get_launcher
+
+GROUP = 128
+THREADS = 256  # -DTHREADS
+UNROLL = 4     # -DUNROLL: 16-byte loads in flight per thread (per-token kernel)
+_KIND = {dt.bfloat16: "KIND_BF16", dt.float16: "KIND_FP16", dt.float32: "KIND_FP32"}
+_INPUTS = tuple(_KIND)
+_ARGS = ("ptr", "i64", "ptr", "i64", "ptr", "i64", "i64", "i32", "i32")
+_TOKEN_ARGS = _ARGS + ("i32",)
+MAX_GRID_Y = 65535  # per-token blocks beyond it loop over row tiles
+_MAX_ROWS = 65535 * GROUP  # per-block grid y (row blocks) <= 65535; per-token rows fit int32 too
+
+
+def _vec(dtype) -> int:
+    return 16 // dtype.itemsize
+
+
+def token_grid(dtype, m: int, k: int, threads: int = THREADS, unroll: int = UNROLL):
+    """Per-token launch shape: (grid, log2 of groups per block).
+
+    A block spans gpb consecutive groups (a power of two up to `slots`) of (slots / gpb) * unroll rows. gpb is the
+    one that leaves the fewest idle group slots in the last block column (K=7168: 56 groups -> 8 per block, not
+    16 with half a column idle), preferring wider spans on ties; spans under 4 groups only when the row is short.
+    """
+    slots = threads // (GROUP // _vec(dtype))
+    g = -(-k // GROUP)
+    widest = min(slots.bit_length() - 1, max(0, (g - 1).bit_length()))
+    narrowest = min(widest, 2)
+
+    def idle(log2):
+        return -(-g // (1 << log2)) * (1 << log2) - g
+
+    log2_gpb = min(range(narrowest, widest + 1), key=lambda l2: (idle(l2) / g, -l2))
+    rows = (slots >> log2_gpb) * unroll
+    return (-(-g // (1 << log2_gpb)), max(1, min(-(-m // rows), MAX_GRID_Y)), 1), log2_gpb
+
+
+def mmajor_stride(m: int) -> int:
+    """Column stride of M-major scales: M rounded up to 4 floats, so each column starts 16-byte aligned (TMA)."""
+    return (m + 3) // 4 * 4
+
+
+def _defines(dtype):
+    return {"IN_KIND": _KIND[dtype], "THREADS": THREADS, "UNROLL": UNROLL}
+
+
+def variants():
+    """Every kernel variant this module can launch: (source, entry, defines)."""
+    return [("quantize.cu", e, _defines(d)) for d in _KIND for e in ("quantize_per_token", "quantize_per_block")]
+
+
+def _check_input(xv, name):
+    require(xv, name, dtypes=_INPUTS, ndim=2, row_align=0)
+    m, k = xv.shape
+    vec = _vec(xv.dtype)
+    if k % vec:
+        raise ValueError(f"{name}: K={k} must be a multiple of {vec} for {xv.dtype.name} input "
+                         "(rows are read in 16-byte vectors)")
+    require(xv, name, row_align=16)
+    if m > _MAX_ROWS:
+        raise ValueError(f"{name}: {m} rows is more than this kernel indexes ({_MAX_ROWS})")
+
+
+def _scale_shape(kind, m, k):
+    rows = 1 if kind == "token" else GROUP
+    return (-(-m // rows), -(-k // GROUP))
+
+
+def _plan(kind, name, xv, qv, sv):
+    """Validate one operand signature (done once per signature, then cached) and precompute the launch."""
+    _check_input(xv, name)
+    m, k = xv.shape
+    vec = _vec(xv.dtype)
+    require(qv, "out", dtypes=(dt.float8_e4m3,), ndim=2, shape=(m, k), align=vec, row_align=vec)
+    shape_s = _scale_shape(kind, m, k)
+    require(sv, "out_scales", dtypes=(dt.float32,), ndim=2, shape=shape_s, row_contiguous=False, align=4,
+            row_align=0)
+    if sv.size and any(st <= 0 for st, n in zip(sv.strides, sv.shape) if n > 1):
+        raise ValueError(f"out_scales: strides must be positive, got {sv.strides}")
+    for a, what in ((qv, "out"), (sv, "out_scales")):
+        if a.device != xv.device:
+            raise ValueError(f"{what} is on cuda:{a.device} but {name} is on cuda:{xv.device}")
+    if kind == "token":
+        grid, log2_gpb = token_grid(xv.dtype, m, k)
+        launch = get_launcher("quantize.cu", "quantize_per_token", _defines(xv.dtype), xv.device, _TOKEN_ARGS,
+                              (THREADS,))
+        extra = (log2_gpb,)
+    else:
+        grid, extra = (shape_s[1], shape_s[0], 1), ()
+        launch = get_launcher("quantize.cu", "quantize_per_block", _defines(xv.dtype), xv.device, _ARGS,
+                              (THREADS,))
+    args = (xv.strides[0] * xv.dtype.itemsize, qv.strides[0], sv.strides[0], sv.strides[1], m, k) + extra
+    return (launch if m else None), grid, args
+
+
+_plans: dict = {}
+
+
+def _run(kind, name, x, out, out_scales, stream, layout="rowmajor"):
+    h = stream_handle(stream)
+    xv = as_array(x, h)
+    if out is None or out_scales is None:  # allocate: validate the input first
+        _check_input(xv, name)
+        m, k = xv.shape
+        qv = as_array(out, h) if out is not None else DeviceArray.empty((m, k), dt.float8_e4m3, xv.device, stream)
+        if out_scales is not None:
+            sv = as_array(out_scales, h)
+        else:
+            shape_s = _scale_shape(kind, m, k)
+            if layout == "mmajor":
+                sv = DeviceArray.empty_strided(shape_s, (1, mmajor_stride(m)), dt.float32, xv.device, stream)
+            else:
+                sv = DeviceArray.empty(shape_s, dt.float32, xv.device, stream)
+    else:
+        qv, sv = as_array(out, h), as_array(out_scales, h)
+    key = (kind, xv.shape, xv.strides, xv.dtype, xv.ptr & 15, xv.device, qv.shape, qv.strides, qv.dtype,
+           qv.ptr & 15, qv.device, sv.shape, sv.strides, sv.dtype, sv.ptr & 15, sv.device)
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) > 4096:
+            _plans.clear()
+        plan = _plans[key] = _plan(kind, name, xv, qv, sv)
+    launch, grid, args = plan
+    if launch is not None:
+        launch(grid, h, xv.ptr, args[0], qv.ptr, args[1], sv.ptr, *args[2:])
+    return (qv if out is None else out), (sv if out_scales is None else out_scales)
+
+
+def quantize_fp8_per_token(x, *, scale_layout: str = "mmajor", out=None, out_scales=None, stream=None):
+    """Quantize activations `x` [M, K] (bf16, fp16 or fp32) to e4m3 with one fp32 scale per 1x128 group.
+
+    Returns (q [M, K] e4m3, scales [M, ceil(K/128)] fp32). `scale_layout="mmajor"` (default) lays the scales out
+    column by column with a column stride of M rounded up to 4 (the layout the FP8 GEMM's TMA loads); "rowmajor"
+    gives a plain [M, G] array. `out` / `out_scales` may be given (any supported array type; `out_scales` may
+    have any positive strides) and are then returned as passed. K must be a multiple of 16 bytes of input.
+    Runs on `stream` (None: the legacy default stream; an int handle or any stream object).
+    """
+    if scale_layout not in ("mmajor", "rowmajor"):
+        raise ValueError(f"scale_layout must be 'mmajor' or 'rowmajor', got {scale_layout!r}")
+    return _run("token", "x", x, out, out_scales, stream, scale_layout)
+
+
+def quantize_fp8_per_block(w, *, out=None, out_scales=None, stream=None):
+    """Quantize weights `w` [N, K] (bf16, fp16 or fp32) to e4m3 with one fp32 scale per 128x128 block.
+
+    Returns (q [N, K] e4m3, scales [ceil(N/128), ceil(K/128)] fp32, row-major unless `out_scales` says otherwise).
+    """
+    return _run("block", "w", w, out, out_scales, stream)

@@ -1,0 +1,177 @@
+"""Load compiled cubins through the driver and launch them with cuLaunchKernelEx on a prepared argument buffer."""
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+
+from cuda.bindings import driver as cu
+
+from .compiler import Compiled
+from .driver import check, use_device
+
+# Kernel parameter kinds -> (struct format, size = alignment). "tmap" is a CUtensorMap passed by value
+# (__grid_constant__), copied in from its TensorMap's 128 bytes.
+_KINDS = {"ptr": ("Q", 8), "i32": ("i", 4), "u32": ("I", 4), "i64": ("q", 8), "f32": ("f", 4), "tmap": (None, 64)}
+_TMAP_BYTES = 128
+# A launch that names a CUfunction of another context fails with one of these; we then make the function's
+# context current and retry, instead of querying the current context on every call.
+_WRONG_CONTEXT = {cu.CUresult.CUDA_ERROR_INVALID_CONTEXT, cu.CUresult.CUDA_ERROR_INVALID_HANDLE,
+                  cu.CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED}
+
+
+def _layout(kinds):
+    """Byte offsets of each parameter in one packed buffer, the struct format of the scalars, the total size."""
+    fmt, offsets, off = "<", [], 0
+    for k in kinds:
+        code, align = _KINDS[k]
+        pad = -off % align
+        fmt += f"{pad}x" if pad else ""
+        off += pad
+        offsets.append(off)
+        if code is None:
+            fmt += f"{_TMAP_BYTES}x"
+            off += _TMAP_BYTES
+        else:
+            fmt += code
+            off += align
+    return fmt, offsets, max(off, 8)
+
+
+_functions: dict = {}
+_load_lock = threading.Lock()
+
+
+class Function:
+    """A loaded kernel on one device."""
+
+    def __init__(self, compiled: Compiled, device: int):
+        use_device(device)
+        self.compiled = compiled
+        self.device = device
+        self.module = check(cu.cuModuleLoadData(compiled.cubin))
+        self.handle = check(cu.cuModuleGetFunction(self.module, compiled.entry.encode()))
+        self._smem_limit = 0
+
+    def ensure_dynamic_smem(self, nbytes: int) -> None:
+        if nbytes > self._smem_limit:
+            check(cu.cuFuncSetAttribute(
+                self.handle, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes))
+            self._smem_limit = nbytes
+
+    def attribute(self, name: str) -> int:
+        a = getattr(cu.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name.upper()}")
+        return check(cu.cuFuncGetAttribute(a, self.handle))
+
+
+def load(compiled: Compiled, device: int = 0) -> Function:
+    """The in-process cache of loaded functions, keyed by (cubin key, entry, device)."""
+    key = (compiled.key, compiled.entry, device)
+    f = _functions.get(key)
+    if f is None:
+        with _load_lock:
+            f = _functions.get(key)
+            if f is None:
+                f = _functions[key] = Function(compiled, device)
+    return f
+
+
+class _Slots(threading.local):
+    """Per-thread parameter buffer and launch config, so concurrent launches never share them."""
+
+    def __init__(self, kinds, block, smem, cluster, pdl):
+        _, offsets, size = _layout(kinds)
+        self.buffer = ctypes.create_string_buffer(size + 64)
+        base = ctypes.addressof(self.buffer)
+        self.base = base + (-base % 64)  # 64-byte aligned start, for the tensor maps
+        self.pointers = (ctypes.c_void_p * max(1, len(kinds)))(*[self.base + o for o in offsets])
+        self.address = ctypes.addressof(self.pointers)
+        self.view = (ctypes.c_char * size).from_address(self.base)
+        self.tmap_addresses = [self.base + o for o, k in zip(offsets, kinds) if k == "tmap"]
+        cfg = cu.CUlaunchConfig()
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+        cfg.sharedMemBytes = smem
+        attrs = []
+        if cluster is not None and cluster != (1, 1, 1):
+            a = cu.CUlaunchAttribute()
+            a.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z = cluster
+            attrs.append(a)
+        if pdl:
+            a = cu.CUlaunchAttribute()
+            a.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            a.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(a)
+        cfg.attrs = attrs
+        cfg.numAttrs = len(attrs)
+        self.config = cfg
+        self.grid = None
+        self.stream = None
+
+
+class Launcher:
+    """A prepared launch of one function with a fixed block shape, dynamic smem, cluster shape and argument kinds.
+
+    `launcher(grid, stream, *args)` packs the arguments into a buffer made once (one struct.pack_into) and calls
+    cuLaunchKernelEx; grid and stream are written to the config only when they change. A "tmap" argument is a
+    TensorMap (its 128 bytes are copied).
+    """
+
+    def __init__(self, function: Function, arg_kinds, block, smem: int = 0, cluster=None, pdl: bool = False):
+        for k in arg_kinds:
+            if k not in _KINDS:
+                raise ValueError(f"unknown kernel argument kind {k!r}")
+        block = tuple(block) + (1,) * (3 - len(block))
+        if cluster is not None:
+            cluster = tuple(cluster) + (1,) * (3 - len(cluster))
+        function.ensure_dynamic_smem(smem)
+        self.function = function
+        self.kinds = tuple(arg_kinds)
+        self._pack = struct.Struct(_layout(self.kinds)[0]).pack_into
+        self._tmaps = tuple(i for i, k in enumerate(self.kinds) if k == "tmap")
+        self._slots = _Slots(self.kinds, block, smem, cluster, pdl)
+        self._handle = function.handle
+        self._device = function.device
+
+    def __call__(self, grid, stream: int, *args) -> None:
+        s = self._slots
+        if len(args) != len(self.kinds):
+            raise TypeError(f"{self.function.compiled.entry} takes {len(self.kinds)} arguments, got {len(args)}")
+        if self._tmaps:
+            self._pack(s.view, 0, *[a for i, a in enumerate(args) if i not in self._tmaps])
+            for dst, i in zip(s.tmap_addresses, self._tmaps):
+                ctypes.memmove(dst, args[i].address, _TMAP_BYTES)
+        else:
+            self._pack(s.view, 0, *args)
+        cfg = s.config
+        if grid != s.grid:
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+            s.grid = grid
+        if stream != s.stream:
+            cfg.hStream = stream
+            s.stream = stream
+        err, = cu.cuLaunchKernelEx(cfg, self._handle, s.address, 0)
+        if err:
+            if err in _WRONG_CONTEXT:
+                use_device(self._device)
+                err, = cu.cuLaunchKernelEx(cfg, self._handle, s.address, 0)
+            if err:
+                check((err,))
+
+
+_launchers: dict = {}
+
+
+def get_launcher(source: str, entry: str, defines: dict, device: int, arg_kinds, block, smem: int = 0,
+                 cluster=None, pdl: bool = False) -> Launcher:
+    """Compile (or take from cache), load and prepare one kernel variant; cached per process."""
+    key = (source, entry, tuple(sorted(defines.items())), device, tuple(arg_kinds), tuple(block), smem,
+           cluster, pdl)
+    lau = _launchers.get(key)
+    if lau is None:
+        from .compiler import compile_kernel
+        from .driver import target_arch
+
+        compiled = compile_kernel(source, entry, defines, target_arch(device))
+        lau = _launchers[key] = Launcher(load(compiled, device), arg_kinds, block, smem, cluster, pdl)
+    return lau

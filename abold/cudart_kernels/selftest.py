@@ -1,0 +1,82 @@
+"""`cudart-kernels selftest`: each op on fresh random data against the host reference, as a pass/fail table."""
+from __future__ import annotations
+
+import numpy as np
+
+from .reference import quantize_per_block as ref_block
+from .reference import quantize_per_token as ref_token
+from .reference import random_activations
+from .runtime.interop import DeviceArray
+
+
+def _quant_case(fn, ref, m, k, dtype, rng, **kw):
+    x = random_activations(rng, m, k, dtype)
+    q, s = fn(DeviceArray.from_numpy(x), **kw)
+    rq, rs = ref(x)
+    q_ok = np.array_equal(q.numpy().view(np.uint8), rq.view(np.uint8))
+    s_ok = np.array_equal(s.numpy(), rs)
+    return q_ok and s_ok, f"q {'==' if q_ok else '!='} ref, scales {'==' if s_ok else '!='} ref"
+
+
+def cases():
+    from .ops.quantize import quantize_fp8_per_block, quantize_fp8_per_token
+
+    out = []
+    for dtype in ("bfloat16", "float16", "float32"):
+        for m, k in ((1, 128), (77, 7168 + 8 * (dtype != "float32") + 4 * (dtype == "float32")), (4096, 1536)):
+            out.append((f"quantize_fp8_per_token {dtype} {m}x{k}",
+                        lambda rng, m=m, k=k, d=dtype: _quant_case(quantize_fp8_per_token, ref_token, m, k, d, rng)))
+        for m, k in ((130, 264), (1024, 2048)):
+            out.append((f"quantize_fp8_per_block {dtype} {m}x{k}",
+                        lambda rng, m=m, k=k, d=dtype: _quant_case(quantize_fp8_per_block, ref_block, m, k, d, rng)))
+    out.append(("quantize_fp8_per_token row-major scales 300x1000",
+                lambda rng: _quant_case(quantize_fp8_per_token, ref_token, 300, 1000, "bfloat16", rng,
+                                        scale_layout="rowmajor")))
+    return out
+
+
+def _gemm_case(m, n, k, dtype, out_dtype, rng, **kw):
+    from .ops.gemm import gemm
+    from .runtime.dtypes import as_dtype
+
+    a = (rng.standard_normal((m, k)) * 0.5).astype(np.float32).astype(as_dtype(dtype).numpy)
+    b = (rng.standard_normal((n, k)) * 0.5).astype(np.float32).astype(as_dtype(dtype).numpy)
+    out = DeviceArray.empty((m, n), out_dtype).fill_bytes(0xFF)
+    gemm(DeviceArray.from_numpy(a), DeviceArray.from_numpy(b), out=out, **kw)
+    got = out.numpy().astype(np.float64)
+    ref = a.astype(np.float64) @ b.astype(np.float64).T
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    tol = 1e-4 if out_dtype == "float32" else 1e-2
+    return bool(np.isfinite(got).all() and err <= tol), f"rel. Frobenius error {err:.2e} (limit {tol:g})"
+
+
+def gemm_cases():
+    return [
+        (f"gemm {d} -> {o} {m}x{n}x{k}{' ' + str(kw) if kw else ''}",
+         lambda rng, m=m, n=n, k=k, d=d, o=o, kw=kw: _gemm_case(m, n, k, d, o, rng, **kw))
+        for (m, n, k, d, o, kw) in [
+            (777, 1000, 136, "bfloat16", "bfloat16", {}),
+            (2048, 2048, 2048, "float16", "float32", {}),
+            (17, 264, 4104, "bfloat16", "float32", {"split_k": 5}),
+            (128, 128, 65536, "bfloat16", "bfloat16", {}),
+            (128, 128, 8192, "bfloat16", "float32", {"split_k": 8, "deterministic": True}),
+        ]
+    ]
+
+
+def run() -> bool:
+    rng = np.random.default_rng()
+    results = []
+    for name, case in cases() + gemm_cases():
+        try:
+            ok, detail = case(rng)
+        except Exception as e:  # report and keep going
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        results.append((name, ok, detail))
+    width = max(len(n) for n, _, _ in results)
+    print(f"{'case'.ljust(width)}  result  detail")
+    for name, ok, detail in results:
+        print(f"{name.ljust(width)}  {'PASS' if ok else 'FAIL'}    {detail}")
+    passed = sum(ok for _, ok, _ in results)
+    print(f"\n{passed} passed, {len(results) - passed} failed")
+    return passed == len(results)

@@ -1,0 +1,27 @@
+// Plain global-memory vector accesses and warp reductions shared by the memory-bound kernels.
+#pragma once
+#include "common/types.cuh"
+
+// Streaming 16-byte load: read once, keep out of L1.
+__device__ __forceinline__ u32x4 ld_stream_16(const void* p) {
+  u32x4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void st_8(void* p, u32 a, u32 b) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(p), "r"(a), "r"(b) : "memory");
+}
+
+__device__ __forceinline__ void st_4(void* p, u32 a) {
+  asm volatile("st.global.u32 [%0], %1;" :: "l"(p), "r"(a) : "memory");
+}
+
+// Max over aligned groups of `width` lanes (width a power of two <= 32); every lane gets its group's result.
+template <int width>
+__device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+  for (int off = width / 2; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}

@@ -1,0 +1,171 @@
+// Hopper primitives shared by every TMA/wgmma kernel: shared addresses, mbarriers, TMA load/store/reduce,
+// proxy fences, wgmma descriptors and synchronisation, register reallocation, named barriers.
+#pragma once
+#include "common/types.cuh"
+
+// 32-bit shared-window address of a generic pointer into shared memory.
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u64 a;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+  return u32(a);
+}
+
+// ---- mbarrier ----------------------------------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(u64* bar, u32 arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_u32(bar)), "r"(arrivals) : "memory");
+}
+
+// Make initialised barriers visible to the async proxy (TMA) and the rest of the cluster.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_u32(bar)) : "memory");
+}
+
+// Arrive and announce `bytes` of TMA traffic that will complete on this barrier.
+__device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
+  u32 done;
+  asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+               "selp.u32 %0, 1, 0, p;\n\t}"
+               : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  return done;
+}
+
+// Wait until the barrier's phase with the given parity has completed.
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+  const u32 a = smem_u32(bar);
+  while (!mbar_try_wait(a, parity)) {
+  }
+}
+
+// ---- TMA (bulk tensor copies) -------------------------------------------------------------------------------------
+__device__ __forceinline__ void tma_prefetch_map(const CUtensorMap_st* map) {
+  asm volatile("prefetch.tensormap [%0];" :: "l"(map) : "memory");
+}
+
+// Global -> shared, completing `box bytes` on `bar`. Coordinates are innermost first; out-of-bounds parts of the
+// box are filled with zeros (and still count towards the transaction bytes).
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap_st* map, u64* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+      :: "r"(smem_u32(dst)), "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1) : "memory");
+}
+
+// Shared -> global; the out-of-bounds part of the box is not written.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap_st* map, const void* src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];"
+               :: "l"(map), "r"(smem_u32(src)), "r"(c0), "r"(c1) : "memory");
+}
+
+// global += shared, element-wise (fp32 add for fp32 maps), clipped like a store.
+__device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap_st* map, const void* src, int c0, int c1) {
+  asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], [%1];"
+               :: "l"(map), "r"(smem_u32(src)), "r"(c0), "r"(c1) : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// The shared-memory sources of all but the newest N committed stores/reduces may be reused.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
+}
+
+// All but the newest N committed stores/reduces are complete in global memory.
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
+}
+
+// Ordinary shared-memory writes -> visible to the async proxy (TMA, wgmma). Each writing thread, before a barrier.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Order this thread's completed async-proxy (TMA) global writes with its generic-proxy accesses, and back.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// ---- inter-CTA signalling (split-K counters) --------------------------------------------------------------------
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+__device__ __forceinline__ int atomic_add_relaxed_gpu(int* p, int v) {
+  int old;
+  asm volatile("atom.add.relaxed.gpu.global.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
+__device__ __forceinline__ int load_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_release_gpu(int* p, int v) {
+  asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+struct f32x4 { float x, y, z, w; };
+
+// L2-only load (data other CTAs just produced; never a stale L1 line).
+__device__ __forceinline__ f32x4 ld_cg_f32x4(const float* p) {
+  f32x4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "l"(p) : "memory");
+  return v;
+}
+
+// ---- wgmma -------------------------------------------------------------------------------------------------------
+// Descriptor of a K-major tile written by TMA with 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes
+// apart (stride byte offset), leading byte offset unused, the tile 1024-byte aligned (base offset 0).
+__device__ __forceinline__ u64 wgmma_desc_sw128(const void* tile) {
+  return u64((smem_u32(tile) & 0x3FFFF) >> 4) | (u64(1) << 16) | (u64(1024 >> 4) << 32) | (u64(1) << 62);
+}
+
+// Descriptor of an MN-major tile (MN contiguous) loaded by TMA with 128-byte swizzle as panels of 64 16-bit
+// elements along MN: each panel is `lines` rows of 128 bytes along K. Leading byte offset = one panel to the
+// next along MN; stride byte offset = one group of 8 K rows to the next (1024 bytes). A k16 step advances the
+// start by 16 rows (2048 bytes).
+__device__ __forceinline__ u64 wgmma_desc_mn_sw128(const void* tile, u32 panel_bytes) {
+  return u64((smem_u32(tile) & 0x3FFFF) >> 4) | (u64(panel_bytes >> 4) << 16) | (u64(1024 >> 4) << 32) |
+         (u64(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+
+// Pin accumulator registers in program order around wgmma (the compiler must not move their reads or writes).
+template <int R>
+__device__ __forceinline__ void fence_registers(float (&r)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
+}
+
+// ---- warp specialisation -----------------------------------------------------------------------------------------
+template <int REGS>
+__device__ __forceinline__ void regs_increase() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(REGS));
+}
+
+template <int REGS>
+__device__ __forceinline__ void regs_decrease() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(REGS));
+}
+
+// Barrier among `threads` threads (a multiple of 32) on hardware barrier `id` (1..15; 0 is __syncthreads).
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}

@@ -1,0 +1,351 @@
+// D[M, N] = A[M, K] @ B[N, K]^T with fp32 accumulation; A and B bf16 or fp16 (K-major), D bf16, fp16 or fp32.
+//
+// Warp-specialised and persistent: warpgroup 0 is the producer (one thread issues TMA loads into a STAGES-deep
+// ring of shared-memory stages); warpgroups 1..BM/64 are consumers, each owning 64 rows of the BM x BN tile and
+// issuing wgmma m64nBNk16 on 128-byte-swizzled tiles. The epilogue writes the tile to shared memory and one
+// thread per consumer stores it with TMA, which overlaps the next tile's main loop. TMA zero-fills loads and
+// clips stores outside the tensor, so every M, N, K tail is handled in the kernel.
+//
+// Epilogues (EPI):
+// - EPI_STORE: D = acc (+ C), through shared memory and a TMA store.
+// - EPI_ACCUMULATE: D += acc for an fp32 D, through a TMA reduce-add (split-K partials add straight into D).
+// - EPI_SPLIT: split-K partials are reduce-added into a zeroed fp32 workspace W; the last split of each 64-row
+//   slice (a per-slice counter) writes D = W (+ C) and zeroes its part of W again, so W stays clean for the next
+//   call. Partials are published with a full bulk wait, a proxy fence and a gpu-scope release before the counter.
+// DETERMINISTIC: splits of a slice add in K order (a turnstile on the counter), so results are bitwise stable.
+// Work units are (tile, split) pairs, split fastest: a unit only ever waits on a unit with a smaller index, which
+// a resident CTA of this persistent grid has already started, so the turnstile cannot deadlock.
+//
+// B_KN = 1 reads B as [K, N] (N contiguous): it is loaded as ceil(BN / 64) panels of 64 N x 64 K and fed to
+// wgmma as an MN-major operand (transposed B).
+//
+// Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64, 128, 192, 256), BN (8..256, step 8), STAGES, EPI,
+// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN.
+#include "common/sm90.cuh"
+#include "common/wgmma_ops.cuh"
+
+#define EPI_STORE 0
+#define EPI_ACCUMULATE 1
+#define EPI_SPLIT 2
+#define KIND_NONE -1
+#ifndef EPI
+#define EPI EPI_STORE
+#endif
+#ifndef C_KIND
+#define C_KIND KIND_NONE
+#endif
+#ifndef DETERMINISTIC
+#define DETERMINISTIC 0
+#endif
+#ifndef B_KN
+#define B_KN 0
+#endif
+
+#if IN_KIND == KIND_BF16
+typedef WgBf16 WgIn;
+#else
+typedef WgFp16 WgIn;
+#endif
+
+constexpr int BK = 64;  // 64 16-bit elements = 128 bytes: one swizzle span, four k16 wgmma steps
+constexpr int CONSUMERS = BM / 64;
+constexpr int THREADS = 128 * (CONSUMERS + 1);
+constexpr int OUT_BYTES = OUT_KIND == KIND_FP32 ? 4 : 2;
+constexpr int A_STAGE = BM * BK * 2;
+constexpr int B_PANELS = (BN + 63) / 64;                   // [K, N] B: 64-column panels of BK rows
+constexpr int B_PANEL_BYTES = BK * 128;
+constexpr int B_STAGE = B_KN ? B_PANELS * B_PANEL_BYTES : BN * BK * 2;
+constexpr int EPI_BYTES = EPI == EPI_STORE ? OUT_BYTES : 4;  // what the shared-memory output chunks hold
+// The epilogue moves a consumer's 64 x BN result in chunks of 64 x CH through two alternating buffers, so the
+// output needs 2 x 64 x CH x EPI_BYTES of shared memory per consumer instead of 64 x BN x EPI_BYTES.
+constexpr int CH = BN % 64 == 0 ? 64 : BN % 32 == 0 ? 32 : BN % 16 == 0 ? 16 : 8;
+constexpr int CHUNKS = BN / CH;
+constexpr int CHUNK_BYTES = 64 * CH * EPI_BYTES;
+constexpr int D_ROWS_BYTES = 2 * CHUNK_BYTES;
+constexpr int ACC = BN / 2;                          // fp32 accumulators per thread for m64nBN
+constexpr int PRODUCER_REGS = 40;
+constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : (CONSUMERS == 2 ? 232 : 160);
+static_assert(BN % 8 == 0 && BN >= 8 && BN <= 256, "BN must be a multiple of 8 in 8..256");
+static_assert(BM % 64 == 0 && BM >= 64 && BM <= 256, "BM must be 64, 128, 192 or 256");
+
+// Shared memory (from a 1024-byte aligned base):
+// A stages | B stages | output tile | full barriers | empty barriers | one flag per consumer.
+constexpr int SMEM_B = STAGES * A_STAGE;
+constexpr int SMEM_D = SMEM_B + STAGES * B_STAGE;
+constexpr int SMEM_BARS = SMEM_D + CONSUMERS * D_ROWS_BYTES;
+constexpr int SMEM_FLAGS = SMEM_BARS + 2 * STAGES * 8;
+constexpr int SMEM_BYTES = SMEM_FLAGS + 16;
+constexpr bool COUNTED = EPI == EPI_SPLIT || (EPI == EPI_ACCUMULATE && DETERMINISTIC);
+
+__device__ __forceinline__ void tile_coords(int tile, int tiles_m, int& m0, int& n0) {
+  m0 = (tile % tiles_m) * BM;
+  n0 = (tile / tiles_m) * BN;
+}
+
+template <int KIND>
+__device__ __forceinline__ float load_elem(const void* base, i64 idx) {
+  if constexpr (KIND == KIND_FP32) {
+    return reinterpret_cast<const float*>(base)[idx];
+  } else if constexpr (KIND == KIND_BF16) {
+    return __uint_as_float(u32(reinterpret_cast<const u16*>(base)[idx]) << 16);
+  } else {
+    float f;
+    asm("{\n\t.reg .f16 h;\n\tmov.b16 h, %1;\n\tcvt.f32.f16 %0, h;\n\t}"
+        : "=f"(f) : "h"(reinterpret_cast<const u16*>(base)[idx]));
+    return f;
+  }
+}
+
+// Four consecutive elements of a row (16-byte aligned for fp32, 8-byte for 16-bit types).
+template <int KIND>
+__device__ __forceinline__ f32x4 load4(const void* base, i64 idx) {
+  if constexpr (KIND == KIND_FP32) {
+    return *reinterpret_cast<const f32x4*>(reinterpret_cast<const float*>(base) + idx);
+  } else {
+    const u32x2 raw = *reinterpret_cast<const u32x2*>(reinterpret_cast<const u16*>(base) + idx);
+    f32x4 v;
+    if constexpr (KIND == KIND_BF16) {
+      bf16x2_to_f32(raw.x, v.x, v.y);
+      bf16x2_to_f32(raw.y, v.z, v.w);
+    } else {
+      fp16x2_to_f32(raw.x, v.x, v.y);
+      fp16x2_to_f32(raw.y, v.z, v.w);
+    }
+    return v;
+  }
+}
+
+__device__ __forceinline__ u32 pack_out(float a, float b);
+
+template <int KIND>
+__device__ __forceinline__ void store4(void* base, i64 idx, f32x4 v) {
+  if constexpr (KIND == KIND_FP32) {
+    *reinterpret_cast<f32x4*>(reinterpret_cast<float*>(base) + idx) = v;
+  } else {
+    *reinterpret_cast<u32x2*>(reinterpret_cast<u16*>(base) + idx) = u32x2{pack_out(v.x, v.y), pack_out(v.z, v.w)};
+  }
+}
+
+__device__ __forceinline__ u32 pack_out(float a, float b) {
+#if OUT_KIND == KIND_BF16
+  return f32x2_to_bf16x2(a, b);
+#else
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+  return r;
+#endif
+}
+
+// tm_out: EPI_STORE the D map (out dtype), EPI_ACCUMULATE the fp32 D map, EPI_SPLIT the fp32 workspace map; all
+// with box {CH, 64}. d / ld_d: D for the split-K finalisation; w / ld_w: the workspace; c / ld_c: C (or null);
+// counters: one int per 64-row slice of every tile, zero between launches.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
+    const __grid_constant__ CUtensorMap_st tm_a, const __grid_constant__ CUtensorMap_st tm_b,
+    const __grid_constant__ CUtensorMap_st tm_out, void* d, i64 ld_d, float* w, i64 ld_w, const void* c_ptr,
+    i64 ld_c, int* counters, int M, int N, int K, int splits) {
+  extern __shared__ u8 smem_raw[];
+  u8* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  u64* full = reinterpret_cast<u64*>(smem + SMEM_BARS);
+  u64* empty = full + STAGES;
+  int* flags = reinterpret_cast<int*>(smem + SMEM_FLAGS);
+
+  const int tiles_m = (M + BM - 1) / BM;
+  const int units = tiles_m * ((N + BN - 1) / BN) * splits;
+  const int k_blocks = (K + BK - 1) / BK;
+  const int wg = threadIdx.x / 128;
+  const int tid = threadIdx.x % 128;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], CONSUMERS * 4);  // one arrival per consumer warp
+    }
+    fence_barrier_init();
+    tma_prefetch_map(&tm_a);
+    tma_prefetch_map(&tm_b);
+    tma_prefetch_map(&tm_out);
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---- producer ----
+    regs_decrease<PRODUCER_REGS>();
+    if (tid != 0) return;
+    int s = 0;
+    u32 phase = 0;
+    for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+      int m0, n0;
+      tile_coords(unit / splits, tiles_m, m0, n0);
+      const int split = unit % splits;
+      for (int kb = split * k_blocks / splits; kb < (split + 1) * k_blocks / splits; ++kb) {
+        mbar_wait(&empty[s], phase ^ 1);
+        mbar_arrive_expect_tx(&full[s], A_STAGE + B_STAGE);
+        tma_load_2d(smem + s * A_STAGE, &tm_a, &full[s], kb * BK, m0);
+#if B_KN
+        for (int p = 0; p < B_PANELS; ++p)
+          tma_load_2d(smem + SMEM_B + s * B_STAGE + p * B_PANEL_BYTES, &tm_b, &full[s], n0 + p * 64, kb * BK);
+#else
+        tma_load_2d(smem + SMEM_B + s * B_STAGE, &tm_b, &full[s], kb * BK, n0);
+#endif
+        if (++s == STAGES) { s = 0; phase ^= 1; }
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  regs_increase<CONSUMER_REGS>();
+  const int c = wg - 1;          // which 64-row slice of the tile
+  const int warp = tid / 32, lane = tid % 32;
+  u8* d_smem = smem + SMEM_D + c * D_ROWS_BYTES;
+  float acc[ACC];
+#pragma unroll
+  for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+
+  int s = 0;
+  u32 phase = 0;
+  u32 chunk_seq = 0;  // every output chunk this consumer issues; picks the buffer
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const int tile = unit / splits, split = unit % splits;
+    int m0, n0;
+    tile_coords(tile, tiles_m, m0, n0);
+    const int kb0 = split * k_blocks / splits, kb1 = (split + 1) * k_blocks / splits;
+    // One wgmma group stays in flight: after issuing k block kb, wait for kb-1's group and release its stage.
+    int prev = -1;
+    for (int kb = kb0; kb < kb1; ++kb) {
+      mbar_wait(&full[s], phase);
+      const u64 da = wgmma_desc_sw128(smem + s * A_STAGE + c * 64 * 128);
+#if B_KN
+      const u64 db = wgmma_desc_mn_sw128(smem + SMEM_B + s * B_STAGE, B_PANEL_BYTES);
+      constexpr u64 DB_STEP = (16 * 128) >> 4;  // 16 K rows of 128 bytes
+#else
+      const u64 db = wgmma_desc_sw128(smem + SMEM_B + s * B_STAGE);
+      constexpr u64 DB_STEP = 2;                // 16 K elements = 32 bytes
+#endif
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < BK / 16; ++k)  // A: 16 elements = 32 bytes = 2 descriptor units along K
+        Wgmma<WgIn, BN>::template mma<B_KN>(acc, da + 2 * k, db + DB_STEP * k, (kb != kb0) || k != 0);
+      wgmma_commit();
+      wgmma_wait<1>();
+      if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+      prev = s;
+      if (++s == STAGES) { s = 0; phase ^= 1; }
+    }
+    wgmma_wait<0>();
+    fence_registers(acc);
+    if (prev >= 0 && lane == 0) mbar_arrive(&empty[prev]);
+
+    // Epilogue: registers -> shared (row-major 64 x CH chunks, two buffers) -> TMA store or reduce-add. Before a
+    // buffer is rewritten, the TMA operation that last read it (two chunks back) must be done reading.
+    const int row0 = m0 + c * 64;  // first row of this consumer's slice
+    const int r = warp * 16 + lane / 4;
+#if EPI != EPI_STORE
+    const int slice = tile * CONSUMERS + c;
+    if (DETERMINISTIC && splits > 1 && tid == 0) {
+      while (load_acquire_gpu(&counters[slice]) != split) {  // K order: wait for the previous split's add
+      }
+    }
+#endif
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) {
+      u8* buf = d_smem + (chunk_seq++ & 1) * CHUNK_BYTES;
+      if (tid == 0) bulk_wait_read<1>();
+      named_barrier(1 + c, 128);
+#pragma unroll
+      for (int ii = 0; ii < CH / 8; ++ii) {
+        const int i = j * (CH / 8) + ii;
+        const int col = ii * 8 + (lane % 4) * 2;  // within the chunk
+        float v[4] = {acc[4 * i + 0], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]};
+#if EPI == EPI_STORE && C_KIND != KIND_NONE
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int gr = row0 + r + 8 * h, gc = n0 + j * CH + col;
+          if (gr < M && gc < N) {  // N is even, so gc + 1 < N too
+            v[2 * h] += load_elem<C_KIND>(c_ptr, gr * ld_c + gc);
+            v[2 * h + 1] += load_elem<C_KIND>(c_ptr, gr * ld_c + gc + 1);
+          }
+        }
+#endif
+#if EPI == EPI_STORE && OUT_KIND != KIND_FP32
+        *reinterpret_cast<u32*>(buf + (r * CH + col) * 2) = pack_out(v[0], v[1]);
+        *reinterpret_cast<u32*>(buf + ((r + 8) * CH + col) * 2) = pack_out(v[2], v[3]);
+#else
+        float* p0 = reinterpret_cast<float*>(buf + (r * CH + col) * 4);
+        float* p1 = reinterpret_cast<float*>(buf + ((r + 8) * CH + col) * 4);
+        p0[0] = v[0]; p0[1] = v[1];
+        p1[0] = v[2]; p1[1] = v[3];
+#endif
+      }
+      fence_proxy_async_smem();
+      named_barrier(1 + c, 128);
+      if (tid == 0) {
+#if EPI == EPI_STORE
+        tma_store_2d(&tm_out, buf, n0 + j * CH, row0);
+#else
+        tma_reduce_add_2d(&tm_out, buf, n0 + j * CH, row0);
+#endif
+        bulk_commit();
+      }
+    }
+#if EPI != EPI_STORE
+    if (tid == 0 && COUNTED && splits > 1) {
+      bulk_wait<0>();  // the partial is in global memory, not just read out of shared memory
+      fence_proxy_async_global();
+      fence_acq_rel_gpu();
+      bool last;
+      if (DETERMINISTIC) {
+        last = split == splits - 1;
+        if (!last) store_release_gpu(&counters[slice], split + 1);
+      } else {
+        last = atomic_add_relaxed_gpu(&counters[slice], 1) == splits - 1;
+      }
+      if (last) {
+        fence_acq_rel_gpu();
+        fence_proxy_async_global();
+      }
+      flags[c] = last;
+    }
+#if EPI == EPI_SPLIT
+    if (splits > 1) {
+      named_barrier(1 + c, 128);  // every thread sees flags[c], after tid 0's acquire
+      if (flags[c]) {
+        // D = W (+ C) for this slice, then zero the slice of W and the counter for the next launch. Four
+        // independent 16-byte loads per thread are in flight before any store (the latency, not the bytes,
+        // is what this step costs). N is a multiple of 4, so a 4-column group is wholly in or out.
+        constexpr int GROUPS = 64 * BN / 4;
+        for (int base = tid; base < GROUPS; base += 128 * 4) {
+          f32x4 v[4];
+          i64 wi[4], di[4], ci[4];
+          bool ok[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int g = base + j * 128;
+            const int gr = row0 + g / (BN / 4), gc = n0 + (g % (BN / 4)) * 4;
+            ok[j] = g < GROUPS && gr < M && gc < N;
+            wi[j] = gr * ld_w + gc;
+            di[j] = gr * ld_d + gc;
+            ci[j] = gr * ld_c + gc;
+            if (ok[j]) v[j] = ld_cg_f32x4(w + wi[j]);
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            if (!ok[j]) continue;
+#if C_KIND != KIND_NONE
+            const f32x4 cv = load4<C_KIND>(c_ptr, ci[j]);
+            v[j].x += cv.x; v[j].y += cv.y; v[j].z += cv.z; v[j].w += cv.w;
+#endif
+            store4<OUT_KIND>(d, di[j], v[j]);
+            *reinterpret_cast<f32x4*>(w + wi[j]) = f32x4{0.f, 0.f, 0.f, 0.f};
+          }
+        }
+        if (tid == 0) counters[slice] = 0;
+      }
+    }
+#else
+    if (DETERMINISTIC && splits > 1 && tid == 0 && flags[c]) counters[slice] = 0;
+#endif
+#endif
+  }
+  if (tid == 0) bulk_wait<0>();
+}
