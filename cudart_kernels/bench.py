@@ -65,17 +65,26 @@ def time_us(run, n_sets: int = 1, iters: int = 20, repeats: int = 7, warmup: int
         cu.cuEventDestroy(end)
 
 
+_graph_stream = None
+
+
 def graph_time_us(torch, run, n_sets: int = 1, iters: int = 20, repeats: int = 7, warmup: int = 3) -> float:
-    """Device time per call: `iters` calls of `run(i)` (rotating over n_sets) captured in one CUDA graph, the
-    median over `repeats` replays. Host launch cost is left out, so a kernel shorter than its Python call is
-    timed by the GPU, not by the launch rate (host cost is its own benchmark row)."""
-    for i in range(warmup):
-        run(i % n_sets)  # compiles, allocates workspaces: nothing may allocate inside the capture
+    """Device time per call: `iters` calls of `run(i, stream)` (i rotating over n_sets; torch work goes to the
+    current stream, ours must be given `stream`) captured in one CUDA graph on a side stream, the median over
+    `repeats` replays. Host launch cost is left out, so a kernel shorter than its Python call is timed by the
+    GPU, not by the launch rate (host cost is its own benchmark row)."""
+    global _graph_stream
+    if _graph_stream is None:
+        _graph_stream = torch.cuda.Stream()  # one for the process: our split-K workspace is per stream
+    stream = _graph_stream
+    with torch.cuda.stream(stream):
+        for i in range(warmup):
+            run(i % n_sets, stream)  # compiles, allocates workspaces: nothing may allocate inside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         for i in range(iters):
-            run(i % n_sets)
+            run(i % n_sets, stream)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -253,12 +262,13 @@ def bench_gemm(quick: bool = False, device: int = 0) -> list[Row]:
             b = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
             d = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
             iters = max(3, min(50, int(2e5 // max(1.0, 2 * m * n * k / 700e6))))
-            peer = graph_time_us(torch, lambda i: torch.matmul(a[i], b[i].t(), out=d[i]), sets, iters=iters)
-            ours = graph_time_us(torch, lambda i: gemm(a[i], b[i], out=d[i]), sets, iters=iters)
+            peer = graph_time_us(torch, lambda i, s: torch.matmul(a[i], b[i].t(), out=d[i]), sets, iters=iters)
+            ours = graph_time_us(torch, lambda i, s: gemm(a[i], b[i], out=d[i], stream=s), sets, iters=iters)
             rows.append(Row(f"gemm_{name}", f"{m}x{n}x{k} bf16", ours, gbytes=nbytes / 1e9,
                             tflops=2 * m * n * k / 1e12, peer="cuBLAS", peer_us=peer))
             if name == "skinny":
-                off = graph_time_us(torch, lambda i: gemm(a[i], b[i], out=d[i], split_k=1), sets, iters=iters)
+                off = graph_time_us(torch, lambda i, s: gemm(a[i], b[i], out=d[i], split_k=1, stream=s), sets,
+                                    iters=iters)
                 rows.append(Row("gemm_skinny_nosplit", f"{m}x{n}x{k} bf16, split_k=1", off, gbytes=nbytes / 1e9,
                                 tflops=2 * m * n * k / 1e12, peer="cuBLAS", peer_us=peer,
                                 extra={"split_speedup": off / ours}))
@@ -270,8 +280,8 @@ def bench_gemm(quick: bool = False, device: int = 0) -> list[Row]:
         a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
         b = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
         d = [torch.randn(m, n, device="cuda", dtype=torch.float32) for _ in range(sets)]
-        peer = graph_time_us(torch, lambda i: fn(d[i], a[i], b[i]), sets, iters=10)
-        ours = graph_time_us(torch, lambda i: gemm(a[i], b[i], out=d[i], c=d[i]), sets, iters=10)
+        peer = graph_time_us(torch, lambda i, s: fn(d[i], a[i], b[i]), sets, iters=10)
+        ours = graph_time_us(torch, lambda i, s: gemm(a[i], b[i], out=d[i], c=d[i], stream=s), sets, iters=10)
         rows.append(Row("gemm_accumulate", f"{m}x{n}x{k}, D(fp32) += A @ B^T", ours, tflops=2 * m * n * k / 1e12,
                         peer=label, peer_us=peer))
     x = torch.randn(128, 1024, device="cuda", dtype=torch.bfloat16)

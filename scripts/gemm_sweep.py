@@ -66,16 +66,16 @@ def main():
         b = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
         d = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
         iters = 20
-        cub = graph_time_us(torch, lambda i: torch.matmul(a[i], b[i].t(), out=d[i]), sets, iters, repeats=5)
+        cub = graph_time_us(torch, lambda i, s: torch.matmul(a[i], b[i].t(), out=d[i]), sets, iters, repeats=5)
         g.pick_config = real_pick
         g._plans.clear()
         auto = real_pick(m, n, k, 2, props)
-        t_auto = graph_time_us(torch, lambda i: ck.gemm(a[i], b[i], out=d[i]), sets, iters, repeats=5)
+        t_auto = graph_time_us(torch, lambda i, s: ck.gemm(a[i], b[i], out=d[i], stream=s), sets, iters, repeats=5)
         best = None
         for cfg in cfgs:
             g.pick_config = lambda *args, cfg=cfg, **kw: cfg
             g._plans.clear()
-            us = graph_time_us(torch, lambda i: ck.gemm(a[i], b[i], out=d[i]), sets, iters, repeats=5)
+            us = graph_time_us(torch, lambda i, s: ck.gemm(a[i], b[i], out=d[i], stream=s), sets, iters, repeats=5)
             rows.append(dict(m=m, n=n, k=k, bm=cfg.bm, bn=cfg.bn, splits=cfg.splits, mcast=cfg.mcast,
                              stages=cfg.stages, us=round(us, 2), cublas=round(cub, 2)))
             if best is None or us < best[0]:

@@ -42,7 +42,7 @@ for m, n, k in shapes:
     d = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
     ref = a[0].double() @ b[0].double().t()
     iters = max(3, min(50, int(2e5 // max(1.0, 2 * m * n * k / 700e6))))
-    cub = graph_time_us(torch, lambda i: torch.matmul(a[i], b[i].t(), out=d[i]), sets, iters=iters)
+    cub = graph_time_us(torch, lambda i, s: torch.matmul(a[i], b[i].t(), out=d[i]), sets, iters=iters)
     cells = []
     for name in names:
         over = VARIANTS[name]
@@ -54,7 +54,8 @@ for m, n, k in shapes:
         d[0].fill_(float("nan"))
         ck.gemm(a[0], b[0], out=d[0], split_k=split)
         err = ((d[0].double() - ref).norm() / ref.norm()).item()
-        us = graph_time_us(torch, lambda i: ck.gemm(a[i], b[i], out=d[i], split_k=split), sets, iters=iters)
+        us = graph_time_us(torch, lambda i, s: ck.gemm(a[i], b[i], out=d[i], split_k=split, stream=s), sets,
+                           iters=iters)
         ratios[name].append(cub / us)
         bad = "" if err < 1e-2 else f" ERR {err:.1e}"
         grid = next(iter(g._plans.values())).grid[0]
