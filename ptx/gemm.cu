@@ -396,16 +396,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     if (splits > 1) {
       named_barrier(1 + c, 128);  // every thread sees flags[c], after tid 0's acquire
       if (flags[c]) {
-        // D = W (+ C) for this slice, then zero the slice of W and the counter for the next launch. Four
+        // D = W (+ C) for this slice, then zero the slice of W and the counter for the next launch. FIN_LOADS
         // independent 16-byte loads per thread are in flight before any store (the latency, not the bytes,
         // is what this step costs). N is a multiple of 4, so a 4-column group is wholly in or out.
         constexpr int GROUPS = 64 * BN / 4;
-        for (int base = tid; base < GROUPS; base += 128 * 4) {
-          f32x4 v[4];
-          i64 wi[4], di[4], ci[4];
-          bool ok[4];
+        constexpr int FIN_LOADS = GROUPS >= 128 * 8 ? 8 : 4;
+        for (int base = tid; base < GROUPS; base += 128 * FIN_LOADS) {
+          f32x4 v[FIN_LOADS];
+          i64 wi[FIN_LOADS], di[FIN_LOADS], ci[FIN_LOADS];
+          bool ok[FIN_LOADS];
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
+          for (int j = 0; j < FIN_LOADS; ++j) {
             const int g = base + j * 128;
             const int gr = row0 + g / (BN / 4), gc = n0 + (g % (BN / 4)) * 4;
             ok[j] = g < GROUPS && gr < M && gc < N;
@@ -415,7 +416,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
             if (ok[j]) v[j] = ld_cg_f32x4(w + wi[j]);
           }
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
+          for (int j = 0; j < FIN_LOADS; ++j) {
             if (!ok[j]) continue;
 #if C_KIND != KIND_NONE
             const f32x4 cv = load4<C_KIND>(c_ptr, ci[j]);

@@ -25,16 +25,21 @@ MAX_STAGES = 16
 MIN_SPLIT_STAGES = 3         # split-K configs keep at least this many stages
 MIN_KBLOCKS_PER_SPLIT = 4    # 256 k elements: below this the partial's reduce costs more than its math
 MAX_SPLITS = 128
-SPLIT_MARGIN = 0.9           # a split config must beat the unsplit estimate by 10% (the model is rough)
 MULTICAST = True             # let the heuristic pair CTAs in 2-CTA clusters (scripts turn it off to compare)
 MCAST_NONE, MCAST_SHARE_B, MCAST_SHARE_A = 0, 1, 2  # ptx/gemm.cu MCAST
 
-# Throughput model for choosing split-K (H100-class): per-SM dense bf16 rate, memory bandwidth, fixed costs.
-_SM_FLOPS = 790e12 / 132
-_BANDWIDTH = 3.0e12
-_L2_BANDWIDTH = 6.0e12
-_SM_FILL_BANDWIDTH = 80e9    # L2 -> shared memory per SM (64x7168x16384 measured ~65 GB/s per SM)
-_SPLIT_OVERHEAD_S = 2e-6     # counters, finalisation, the extra epilogue
+# Split-K model, fitted to a same-run sweep of forced configs on the skinny benchmark shapes (H200, CUDA-graph
+# timing, scripts/gemm_sweep.py; docs/perf-notes.md): microseconds one CTA spends per 64-deep k block for a
+# BM x BN tile. Small tiles sit on a floor (pipeline round trip), large ones approach the wgmma rate.
+_KB_US = {64: ((16, .181), (32, .185), (48, .190), (64, .205), (96, .185), (128, .206), (192, .278), (256, .353)),
+          128: ((16, .194), (32, .206), (48, .237), (64, .302), (96, .357), (128, .405), (192, .547),
+                (256, .675))}
+_DRAM_EFFICIENCY = 0.82        # achieved / peak DRAM bandwidth when streaming operands
+_DRAM_LATENCY_US = 4.0         # a stage's load under load, when B streams from DRAM once (M <= BM): a CTA gets one
+                               # stage back every latency / stages (16x4096x8192: BN32 0.28 us/kb, BN128 0.49)
+_PARTIAL_BYTES_PER_S = 1.1e12  # fp32 partials reduce-added in L2 (fitted)
+_FINISH_US_PER_32_COLS = 0.17  # the last split's finalisation, per 32 columns of a 64-row slice (fitted)
+_CLOSE = 1.05                  # estimates this close to the best: take the widest tile, then the most units
 
 
 @dataclass(frozen=True)
@@ -94,22 +99,39 @@ def _bn_candidates(n: int) -> list[int]:
     return sorted(b for b in cands if b <= max(16, 8 * -(-n // 8)))
 
 
-def _split_time(m, n, k, bm, bn, splits, props) -> float:
-    """Rough seconds for a split-K config: the slower of math and operand traffic, plus the partials' traffic."""
-    tiles_m, tiles_n = -(-m // bm), -(-n // bn)
-    units = tiles_m * tiles_n * splits
-    waves = -(-units // props.sm_count)
-    kspan = -(-k // splits)
-    math = waves * 2 * bm * bn * kspan / (_SM_FLOPS * bn / (bn + 32))
-    active = min(units, props.sm_count) / props.sm_count
-    # Operands: each byte from DRAM once (units sharing a k-range run together, so re-reads hit L2), and each
-    # SM streams its units' (BM + BN) x K-span tiles from L2 into shared memory at a per-SM rate.
-    dram = (m + n) * k * 2 / (_BANDWIDTH * min(1.0, 2 * active))
-    fill = waves * (bm + bn) * kspan * 2 / _SM_FILL_BANDWIDTH
-    operands = max(dram, fill)
-    # Partials are reduce-added in L2 (the workspace is a few MB): one fp32 tile per unit at L2 bandwidth.
-    partials = splits * tiles_m * bm * n * 4 / _L2_BANDWIDTH if splits > 1 else 0.0
-    return max(math, operands) + partials + (_SPLIT_OVERHEAD_S if splits > 1 else 0.0)
+def _split_bn_candidates(n: int) -> list[int]:
+    """BN values the split model was fitted on (and N itself, rounded up to 8, when N is smaller)."""
+    fitted = [b for b, _ in _KB_US[64]]
+    cands = {b for b in fitted if b < n} | ({-(-n // 8) * 8} if n <= 256 else {256})
+    return sorted(cands)
+
+
+def kblock_us(bm: int, bn: int) -> float:
+    """Microseconds per k block of one BM x BN unit (linear between the fitted BN points)."""
+    pts = _KB_US[bm]
+    if bn <= pts[0][0]:
+        return pts[0][1]
+    for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+        if bn <= b1:
+            return t0 + (t1 - t0) * (bn - b0) / (b1 - b0)
+    return pts[-1][1] * bn / pts[-1][0]
+
+
+def split_time_us(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: DeviceProperties) -> float:
+    """Estimated microseconds for a config: waves of units, each streaming its k blocks (or the whole operand
+    traffic at DRAM speed, when that is slower), plus the split-K partials and the last split's finalisation."""
+    tiles = -(-m // bm) * -(-n // bn)
+    waves = -(-tiles * splits // props.sm_count)
+    kb_per_unit = -(-(-(-k // BK)) // splits)
+    per_kb = kblock_us(bm, bn)
+    if m <= bm:  # nothing is re-read from L2: every stage waits on DRAM
+        per_kb = max(per_kb, _DRAM_LATENCY_US / max_stages(bm, bn, 4 if splits > 1 else 2, props.smem_per_block_optin))
+    main = waves * kb_per_unit * per_kb
+    dram = (m + n) * k * 2 / (props.dram_bytes_per_s * _DRAM_EFFICIENCY) * 1e6
+    t = max(main, dram)
+    if splits > 1:
+        t += splits * m * n * 4 / _PARTIAL_BYTES_PER_S * 1e6 + _FINISH_US_PER_32_COLS * -(-bn // 32)
+    return t
 
 
 def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, split_k: int | None = None,
@@ -144,19 +166,25 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     else:
         splits = 1
     if split_k is None and -(-m // bm) * -(-n // no_split()) < props.sm_count and k_blocks >= 2 * MIN_KBLOCKS_PER_SPLIT:
-        # The tiles do not fill the GPU: compare split configs with the unsplit one in the throughput model.
+        # The tiles do not fill the GPU: estimate (BN, splits) pairs that fit in one wave of units, and the
+        # unsplit config; among those within _CLOSE of the best: the unsplit one if it fills the GPU, else the
+        # widest tile, then the most units (measured: wide tiles stream DRAM better; the estimates of DRAM-bound
+        # configs are nearly equal).
         bn0 = no_split()
-        best = (SPLIT_MARGIN * _split_time(m, n, k, bm, bn0, 1, props), bn0, 1)
-        for bn in _bn_candidates(n):
+        cands = [(split_time_us(m, n, k, bm, bn0, 1, props), bn0, 1)]
+        for bn in _split_bn_candidates(n):
             if max_stages(bm, bn, 4, budget, b_kn) < MIN_SPLIT_STAGES:
                 continue
             tiles = -(-m // bm) * -(-n // bn)
-            top = min(MAX_SPLITS, k_blocks // MIN_KBLOCKS_PER_SPLIT, max(1, 2 * props.sm_count // tiles))
-            for sp in range(2, top + 1):
-                t = _split_time(m, n, k, bm, bn, sp, props)
-                if t < best[0]:
-                    best = (t, bn, sp)
-        _, bn, splits = best
+            for sp in range(2, min(MAX_SPLITS, k_blocks // MIN_KBLOCKS_PER_SPLIT, props.sm_count // tiles) + 1):
+                cands.append((split_time_us(m, n, k, bm, bn, sp, props), bn, sp))
+        best = min(c[0] for c in cands)
+        fills = -(-m // bm) * -(-n // bn0) >= 0.75 * props.sm_count  # unsplit already busies most SMs
+
+        def preference(c):  # split overheads beyond the estimate favour an unsplit config that fills the GPU
+            return (c[2] == 1 and fills, c[1], c[2])
+
+        _, bn, splits = max((c for c in cands if c[0] <= _CLOSE * best), key=preference)
     elif splits > 1:  # forced count: fewest waves of units, then the larger tile
         fits = [b for b in _bn_candidates(n) if max_stages(bm, b, 4, budget, b_kn) >= 2]
         bn = min(fits, key=lambda b: (-(-(-(-m // bm) * -(-n // b) * splits) // props.sm_count), -b))

@@ -87,6 +87,7 @@ class DeviceProperties:
     sm_count: int
     smem_per_block_optin: int  # bytes a block may opt in to (232448 on H100)
     l2_bytes: int
+    dram_bytes_per_s: float = 3.35e12  # peak: 2 x memory clock x bus width (H100 SXM: 3.35 TB/s)
 
     @property
     def arch(self) -> str:
@@ -117,6 +118,8 @@ def device_properties(device: int = 0) -> DeviceProperties:
         sm_count=attr(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
         smem_per_block_optin=attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
         l2_bytes=attr(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
+        dram_bytes_per_s=2.0 * attr(A.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE) * 1e3
+        * attr(A.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH) / 8,
     )
 
 
