@@ -410,8 +410,9 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
     """D = A @ B^T (+ C).
 
     A [M, K] and B [N, K] (or B [K, N] with b_layout="kn": D = A @ B), both bf16 or both fp16, fp32 accumulation.
-    D [M, N] in `out`'s dtype (or `out_dtype`, default the input dtype): bf16, fp16 or fp32. `c` [M, N] (bf16, fp16 or fp32) is added; with `c is out` and
-    an fp32 `out`, D += A @ B^T accumulates in place through TMA reduce-add. `split_k` forces the split count
+    D [M, N] in `out`'s dtype (or `out_dtype`, default the input dtype): bf16, fp16 or fp32. `c` [M, N] (bf16,
+    fp16 or fp32) is added; with `c is out` and an fp32 `out`, D += A @ B^T accumulates in place through TMA
+    reduce-add. `split_k` forces the split count
     (None: the heuristic decides; 1: off); `deterministic=True` makes split-K bitwise reproducible (K order).
     Rows must be 16-byte aligned (K and N multiples of 8 for 16-bit data); every M, N, K tail is handled in the
     kernel. Runs on `stream`; returns `out` (allocated when None).
