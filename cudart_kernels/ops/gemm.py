@@ -25,6 +25,8 @@ MAX_STAGES = 16
 MIN_SPLIT_STAGES = 3         # split-K configs keep at least this many stages
 MIN_KBLOCKS_PER_SPLIT = 4    # 256 k elements: below this the partial's reduce costs more than its math
 MAX_SPLITS = 128
+SPLIT_BELOW_FILL = 0.75      # M <= 64: no split when 64-wide tiles busy this share of the SMs (64x7168x16384:
+                             # 112 tiles, measured 63 us unsplit, 67-74 us split)
 MULTICAST = True             # let the heuristic pair CTAs in 2-CTA clusters (scripts turn it off to compare)
 MCAST_NONE, MCAST_SHARE_B, MCAST_SHARE_A = 0, 1, 2  # ptx/gemm.cu MCAST
 
@@ -165,11 +167,13 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
         splits = max(1, min(int(split_k), k_blocks))
     else:
         splits = 1
-    if split_k is None and -(-m // bm) * -(-n // no_split()) < props.sm_count and k_blocks >= 2 * MIN_KBLOCKS_PER_SPLIT:
+    # A single-consumer (M <= 64) grid whose 64-wide tiles already busy most SMs streams at DRAM speed unsplit.
+    small_m_fills = bm == 64 and -(-n // max(64, no_split())) >= SPLIT_BELOW_FILL * props.sm_count
+    if (split_k is None and -(-m // bm) * -(-n // no_split()) < props.sm_count and not small_m_fills
+            and k_blocks >= 2 * MIN_KBLOCKS_PER_SPLIT):
         # The tiles do not fill the GPU: estimate (BN, splits) pairs that fit in one wave of units, and the
-        # unsplit config; among those within _CLOSE of the best: the unsplit one if it fills the GPU, else the
-        # widest tile, then the most units (measured: wide tiles stream DRAM better; the estimates of DRAM-bound
-        # configs are nearly equal).
+        # unsplit config; among those within _CLOSE of the best, the widest tile, then the most units (measured:
+        # wide tiles stream DRAM better; the estimates of DRAM-bound configs are nearly equal).
         bn0 = no_split()
         cands = [(split_time_us(m, n, k, bm, bn0, 1, props), bn0, 1)]
         for bn in _split_bn_candidates(n):
@@ -179,12 +183,7 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
             for sp in range(2, min(MAX_SPLITS, k_blocks // MIN_KBLOCKS_PER_SPLIT, props.sm_count // tiles) + 1):
                 cands.append((split_time_us(m, n, k, bm, bn, sp, props), bn, sp))
         best = min(c[0] for c in cands)
-        fills = -(-m // bm) * -(-n // bn0) >= 0.75 * props.sm_count  # unsplit already busies most SMs
-
-        def preference(c):  # split overheads beyond the estimate favour an unsplit config that fills the GPU
-            return (c[2] == 1 and fills, c[1], c[2])
-
-        _, bn, splits = max((c for c in cands if c[0] <= _CLOSE * best), key=preference)
+        _, bn, splits = max((c for c in cands if c[0] <= _CLOSE * best), key=lambda c: (c[1], c[2]))
     elif splits > 1:  # forced count: fewest waves of units, then the larger tile
         fits = [b for b in _bn_candidates(n) if max_stages(bm, b, 4, budget, b_kn) >= 2]
         bn = min(fits, key=lambda b: (-(-(-(-m // bm) * -(-n // b) * splits) // props.sm_count), -b))
