@@ -167,14 +167,14 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
         splits = max(1, min(int(split_k), k_blocks))
     else:
         splits = 1
+    bn0 = no_split()
     # A single-consumer (M <= 64) grid whose 64-wide tiles already busy most SMs streams at DRAM speed unsplit.
-    small_m_fills = bm == 64 and -(-n // max(64, no_split())) >= SPLIT_BELOW_FILL * props.sm_count
-    if (split_k is None and -(-m // bm) * -(-n // no_split()) < props.sm_count and not small_m_fills
+    small_m_fills = bm == 64 and -(-n // max(64, bn0)) >= SPLIT_BELOW_FILL * props.sm_count
+    if (split_k is None and -(-m // bm) * -(-n // bn0) < props.sm_count and not small_m_fills
             and k_blocks >= 2 * MIN_KBLOCKS_PER_SPLIT):
         # The tiles do not fill the GPU: estimate (BN, splits) pairs that fit in one wave of units, and the
         # unsplit config; among those within _CLOSE of the best, the widest tile, then the most units (measured:
         # wide tiles stream DRAM better; the estimates of DRAM-bound configs are nearly equal).
-        bn0 = no_split()
         cands = [(split_time_us(m, n, k, bm, bn0, 1, props), bn0, 1)]
         for bn in _split_bn_candidates(n):
             if max_stages(bm, bn, 4, budget, b_kn) < MIN_SPLIT_STAGES:
@@ -188,12 +188,23 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
         fits = [b for b in _bn_candidates(n) if max_stages(bm, b, 4, budget, b_kn) >= 2]
         bn = min(fits, key=lambda b: (-(-(-(-m // bm) * -(-n // b) * splits) // props.sm_count), -b))
     else:
-        bn = no_split()
+        bn = bn0
     epi = 4 if (splits > 1 or accumulate) else out_bytes
     stages = max_stages(bm, bn, epi, budget, b_kn)
     mcast = pick_multicast(m, n, bm, bn, splits, b_kn, props) if MULTICAST else MCAST_NONE
     return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn), mcast,
                       group_rows(m, n, bm, bn, mcast, props))
+
+
+def cluster_tiles(m: int, n: int, bm: int, bn: int, mcast: int) -> tuple[int, int]:
+    """Cluster tiles along M and N (ptx/gemm.cu cl_tiles_m / cl_tiles_n): a pair of tiles along M (sharing B)
+    or along N (sharing A) under multicast, else one tile; an odd count leaves a spare tile in the last pair."""
+    tiles_m, tiles_n = -(-m // bm), -(-n // bn)
+    if mcast == MCAST_SHARE_B:
+        return -(-tiles_m // 2), tiles_n
+    if mcast == MCAST_SHARE_A:
+        return tiles_m, -(-tiles_n // 2)
+    return tiles_m, tiles_n
 
 
 def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, props: DeviceProperties) -> int:
@@ -202,14 +213,16 @@ def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, pr
     as [K, N] is never shared (it comes in panels)."""
     tiles_m, tiles_n = -(-m // bm), -(-n // bn)
     slots = props.sm_count - props.sm_count % 2
-    waves = -(-tiles_m * tiles_n * splits // slots)
+
+    def waves(mcast):
+        cl_m, cl_n = cluster_tiles(m, n, bm, bn, mcast)
+        return -(-cl_m * cl_n * (2 if mcast else 1) * splits // slots)
+
     best, saved = MCAST_NONE, 0
-    if not b_kn and bn % 16 == 0 and tiles_m >= 2:
-        if -(-2 * -(-tiles_m // 2) * tiles_n * splits // slots) <= waves and bn > saved:
-            best, saved = MCAST_SHARE_B, bn
-    if bm % 128 == 0 and tiles_n >= 2:
-        if -(-tiles_m * 2 * -(-tiles_n // 2) * splits // slots) <= waves and bm > saved:
-            best, saved = MCAST_SHARE_A, bm
+    if not b_kn and bn % 16 == 0 and tiles_m >= 2 and waves(MCAST_SHARE_B) <= waves(MCAST_NONE):
+        best, saved = MCAST_SHARE_B, bn
+    if bm % 128 == 0 and tiles_n >= 2 and waves(MCAST_SHARE_A) <= waves(MCAST_NONE) and bm > saved:
+        best = MCAST_SHARE_A
     return best
 
 
@@ -219,7 +232,7 @@ def group_rows(m: int, n: int, bm: int, bn: int, mcast: int, props: DeviceProper
     tiles fit in one wave the order does not matter (one group: M fastest)."""
     cl_bm = bm * (2 if mcast == MCAST_SHARE_B else 1)
     cl_bn = bn * (2 if mcast == MCAST_SHARE_A else 1)
-    cl_tiles_m, cl_tiles_n = -(-m // cl_bm), -(-n // cl_bn)
+    cl_tiles_m, cl_tiles_n = cluster_tiles(m, n, bm, bn, mcast)
     wave = props.sm_count // (2 if mcast else 1)
     if cl_tiles_m * cl_tiles_n <= wave:
         return cl_tiles_m
@@ -373,11 +386,10 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, props) -> _P
     defines = _defines(av.dtype, dv.dtype, cfg, epi, c_dtype, det, b_kn)
     launch = get_launcher("gemm.cu", "gemm_kernel", defines, av.device, _ARGS, (cfg.threads,), cfg.smem,
                           cluster=(cfg.cluster, 1, 1) if cfg.mcast else None)
-    tiles_m, tiles_n = -(-m // cfg.bm), -(-n // cfg.bn)
-    tiles = tiles_m * tiles_n
+    tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
     if cfg.mcast:  # clusters of two; all of them resident at once (the split-K turnstile relies on it)
-        pairs = (-(-tiles_m // 2) * tiles_n if cfg.mcast == MCAST_SHARE_B else tiles_m * -(-tiles_n // 2))
-        clusters = min(pairs * cfg.splits, props.sm_count // 2, launch.max_active_clusters())
+        cl_m, cl_n = cluster_tiles(m, n, cfg.bm, cfg.bn, cfg.mcast)
+        clusters = min(cl_m * cl_n * cfg.splits, props.sm_count // 2, launch.max_active_clusters())
         if clusters < 1:
             raise RuntimeError(f"gemm: no 2-CTA cluster of {cfg.smem} bytes of shared memory fits this device")
         grid = (2 * clusters, 1, 1)
