@@ -28,7 +28,7 @@
 //
 // Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64, 128, 192, 256), BN (8..256, step 8), STAGES, EPI,
 // C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST.
-#include "common/sm90.cuh"
+#include "common/gemm_tiles.cuh"
 #include "common/wgmma_ops.cuh"
 
 #define EPI_STORE 0
@@ -93,29 +93,6 @@ constexpr int SMEM_FLAGS = SMEM_BARS + 2 * STAGES * 8;
 constexpr int SMEM_BYTES = SMEM_FLAGS + 16;
 constexpr bool COUNTED = EPI == EPI_SPLIT || (EPI == EPI_ACCUMULATE && DETERMINISTIC);
 
-// Work unit -> (tile row, tile column, split) of this CTA. Units are (cluster tile, split) pairs, split fastest;
-// cluster tiles (two tiles along M or N under MCAST, else one) run GROUP_M rows at a time, M fastest within a
-// group. A CTA of a pair may get a tile past the edge (odd tile count): it still loads its half for its partner.
-struct Work {
-  int tm, tn, split;
-};
-
-__device__ __forceinline__ Work unit_work(int unit, int splits, int cl_tiles_m, int cl_tiles_n, int group_m,
-                                          u32 rank) {
-  Work w;
-  w.split = unit % splits;
-  const int t = unit / splits;
-  const int per_group = group_m * cl_tiles_n;
-  const int first = t / per_group * group_m;
-  const int rows = min(group_m, cl_tiles_m - first);
-  const int r = t % per_group;
-  w.tm = first + r % rows;
-  w.tn = r / rows;
-  if (MCAST == 1) w.tm = 2 * w.tm + rank;
-  if (MCAST == 2) w.tn = 2 * w.tn + rank;
-  return w;
-}
-
 template <int KIND>
 __device__ __forceinline__ float load_elem(const void* base, i64 idx) {
   if constexpr (KIND == KIND_FP32) {
@@ -174,17 +151,7 @@ __device__ __forceinline__ u32 pack_out(float a, float b) {
 // the output map's swizzle expects: 16-bit outputs with stmatrix, fp32 as 8-byte pairs.
 __device__ __forceinline__ void chunk_to_smem(const float* acc, int j, u8* buf, int warp, int lane) {
 #if EPI == EPI_STORE && OUT_KIND != KIND_FP32
-  const int row = warp * 16 + (lane / 8 % 2) * 8 + lane % 8;  // the row whose address this lane gives
-#pragma unroll
-  for (int g = 0; g + 1 < CH / 8; g += 2) {  // two 8-column groups per stmatrix.x4
-    const int i = j * (CH / 8) + g;
-    stmatrix_x4(buf + swizzled_offset<CHUNK_ROW_BYTES>(row, g + lane / 16), pack_out(acc[4 * i], acc[4 * i + 1]),
-                pack_out(acc[4 * i + 2], acc[4 * i + 3]), pack_out(acc[4 * i + 4], acc[4 * i + 5]),
-                pack_out(acc[4 * i + 6], acc[4 * i + 7]));
-  }
-  if constexpr (CH == 8)
-    stmatrix_x2(buf + swizzled_offset<CHUNK_ROW_BYTES>(row, 0), pack_out(acc[4 * j], acc[4 * j + 1]),
-                pack_out(acc[4 * j + 2], acc[4 * j + 3]));
+  stmatrix_chunk<CH>(acc, j, buf, warp, lane, [](float a, float b) { return pack_out(a, b); });
 #else
 #pragma unroll
   for (int g = 0; g < CH / 8; ++g) {
@@ -198,13 +165,6 @@ __device__ __forceinline__ void chunk_to_smem(const float* acc, int j, u8* buf, 
     }
   }
 #endif
-}
-
-// A consumer warp is done with a stage: free it in this CTA and, under multicast, in the partner (whose producer
-// writes half of this CTA's stage).
-__device__ __forceinline__ void release_stage(u64* bar, u32 rank) {
-  mbar_arrive(bar);
-  if constexpr (MCAST) mbar_arrive_cluster(bar, rank ^ 1);
 }
 
 // tm_out: EPI_STORE the D map (out dtype), EPI_ACCUMULATE the fp32 D map, EPI_SPLIT the fp32 workspace map; all
@@ -254,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     int s = 0;
     u32 phase = 0;
     for (int unit = first_unit; unit < units; unit += unit_step) {
-      const Work wk = unit_work(unit, splits, cl_tiles_m, cl_tiles_n, group_m, rank);
+      const Work wk = unit_work<MCAST>(unit, splits, cl_tiles_m, cl_tiles_n, group_m, rank);
       const int m0 = wk.tm * BM, n0 = wk.tn * BN;
       for (int kb = wk.split * k_blocks / splits; kb < (wk.split + 1) * k_blocks / splits; ++kb) {
         mbar_wait(&empty[s], phase ^ 1);
@@ -299,7 +259,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
   u32 phase = 0;
   u32 chunk_seq = 0;  // every output chunk this consumer issues; picks the buffer
   for (int unit = first_unit; unit < units; unit += unit_step) {
-    const Work wk = unit_work(unit, splits, cl_tiles_m, cl_tiles_n, group_m, rank);
+    const Work wk = unit_work<MCAST>(unit, splits, cl_tiles_m, cl_tiles_n, group_m, rank);
     const int split = wk.split;
     const int m0 = wk.tm * BM, n0 = wk.tn * BN;
     const int kb0 = split * k_blocks / splits, kb1 = (split + 1) * k_blocks / splits;
@@ -325,14 +285,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
         Wgmma<WgIn, BN>::template mma<B_KN>(acc, da + 2 * k, db + DB_STEP * k, (kb != kb0) || k != 0);
       wgmma_commit();
       wgmma_wait<IN_FLIGHT>();
-      if (IN_FLIGHT == 0 && lane == 0) release_stage(&empty[s], rank);
-      if (IN_FLIGHT == 1 && prev >= 0 && lane == 0) release_stage(&empty[prev], rank);
+      if (IN_FLIGHT == 0 && lane == 0) release_stage<MCAST>(&empty[s], rank);
+      if (IN_FLIGHT == 1 && prev >= 0 && lane == 0) release_stage<MCAST>(&empty[prev], rank);
       prev = s;
       if (++s == STAGES) { s = 0; phase ^= 1; }
     }
     wgmma_wait<0>();
     fence_registers(acc);
-    if (IN_FLIGHT == 1 && prev >= 0 && lane == 0) release_stage(&empty[prev], rank);
+    if (IN_FLIGHT == 1 && prev >= 0 && lane == 0) release_stage<MCAST>(&empty[prev], rank);
 
     const int row0 = m0 + c * 64;  // first row of this consumer's slice
     if (row0 >= M || n0 >= N) continue;  // a slice past the edge (BM rows beyond M, or a cluster's spare tile)

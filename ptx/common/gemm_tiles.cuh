@@ -1,0 +1,58 @@
+// Pieces shared by the persistent, warp-specialised GEMM kernels (gemm.cu, gemm_fp8.cu): the work-unit order of
+// the persistent grid, freeing a pipeline stage under 2-CTA multicast, and writing accumulators to shared memory
+// for a TMA store.
+#pragma once
+#include "common/sm90.cuh"
+
+// PAIRING (a kernel's MCAST, 2-CTA clusters): 0 none, 1 pairs two tiles along M that share a B tile, 2 pairs two
+// tiles along N that share an A tile.
+struct Work {
+  int tm, tn, split;
+};
+
+// Work unit -> (tile row, tile column, split) of this CTA. Units are (cluster tile, split) pairs, split fastest;
+// cluster tiles (two tiles along M or N when paired, else one) run GROUP_M rows at a time, M fastest within a
+// group. A CTA of a pair may get a tile past the edge (odd tile count): it still loads its half for its partner.
+template <int PAIRING>
+__device__ __forceinline__ Work unit_work(int unit, int splits, int cl_tiles_m, int cl_tiles_n, int group_m,
+                                          u32 rank) {
+  Work w;
+  w.split = unit % splits;
+  const int t = unit / splits;
+  const int per_group = group_m * cl_tiles_n;
+  const int first = t / per_group * group_m;
+  const int rows = min(group_m, cl_tiles_m - first);
+  const int r = t % per_group;
+  w.tm = first + r % rows;
+  w.tn = r / rows;
+  if (PAIRING == 1) w.tm = 2 * w.tm + rank;
+  if (PAIRING == 2) w.tn = 2 * w.tn + rank;
+  return w;
+}
+
+// A consumer warp is done with a stage: free it in this CTA and, under multicast, in the partner (whose producer
+// writes half of this CTA's stage).
+template <int PAIRING>
+__device__ __forceinline__ void release_stage(u64* bar, u32 rank) {
+  mbar_arrive(bar);
+  if constexpr (PAIRING != 0) mbar_arrive_cluster(bar, rank ^ 1);
+}
+
+// Columns j*CH .. j*CH+CH-1 of a consumer's 64-row wgmma accumulator as 16-bit values (`pack` turns two floats
+// into one u32) into `buf`, in the layout a TMA map with swizzle span CH * 2 bytes reads (stmatrix: lane i gives
+// the address of row i % 8 of matrix i / 8; no two lanes of a warp hit one bank).
+template <int CH, typename Pack>
+__device__ __forceinline__ void stmatrix_chunk(const float* acc, int j, u8* buf, int warp, int lane, Pack pack) {
+  constexpr int ROW = CH * 2;
+  const int row = warp * 16 + (lane / 8 % 2) * 8 + lane % 8;  // the row whose address this lane gives
+#pragma unroll
+  for (int g = 0; g + 1 < CH / 8; g += 2) {  // two 8-column groups per stmatrix.x4
+    const int i = j * (CH / 8) + g;
+    stmatrix_x4(buf + swizzled_offset<ROW>(row, g + lane / 16), pack(acc[4 * i], acc[4 * i + 1]),
+                pack(acc[4 * i + 2], acc[4 * i + 3]), pack(acc[4 * i + 4], acc[4 * i + 5]),
+                pack(acc[4 * i + 6], acc[4 * i + 7]));
+  }
+  if constexpr (CH == 8)
+    stmatrix_x2(buf + swizzled_offset<ROW>(row, 0), pack(acc[4 * j], acc[4 * j + 1]),
+                pack(acc[4 * j + 2], acc[4 * j + 3]));
+}
