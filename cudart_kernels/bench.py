@@ -293,4 +293,42 @@ def bench_gemm(quick: bool = False, device: int = 0) -> list[Row]:
     return rows
 
 
-BENCHES = {"quant": bench_quant, "gemm": bench_gemm}
+def bench_gemm_fp8(quick: bool = False, device: int = 0) -> list[Row]:
+    """The 18 normal shapes against cuBLAS blockwise FP8 (torch._scaled_mm with the same 1x128 and 128x128 scales),
+    both as CUDA-graph replays, inputs from our quantization ops; cuBLAS BF16 on the same shapes for context."""
+    from .ops.gemm_fp8 import BENCH_SHAPES, gemm_fp8
+    from .ops.quantize import quantize_fp8_per_block, quantize_fp8_per_token
+
+    torch = torch_or_none()
+    if torch is None:
+        raise RuntimeError("bench --op gemm_fp8 needs torch for the cuBLAS peer")
+    rows = []
+    shapes = [(4096, 7168, 16384), (64, 2112, 7168)] if quick else BENCH_SHAPES["normal"]
+    for m, n, k in shapes:
+        nbytes = m * k + n * k + m * n * 2
+        sets = sets_beyond_l2(nbytes, device, cap=16)
+        ops = []
+        for _ in range(sets):
+            qa, sa = quantize_fp8_per_token(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+            qb, sb = quantize_fp8_per_block(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05)
+            ops.append(tuple(torch.from_dlpack(t) for t in (qa, sa, qb, sb)))
+        d = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+        iters = max(3, min(50, int(2e5 // max(1.0, 2 * m * n * k / 1400e6))))
+
+        def blockwise(i, s):
+            a, sa, b, sb = ops[i]
+            return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16)
+
+        peer = graph_time_us(torch, blockwise, sets, iters=iters)
+        ours = graph_time_us(torch, lambda i, s: gemm_fp8(*ops[i], d[i], stream=s), sets, iters=iters)
+        rows.append(Row("gemm_fp8", f"{m}x{n}x{k}", ours, gbytes=nbytes / 1e9, tflops=2 * m * n * k / 1e12,
+                        peer="cuBLAS blockwise", peer_us=peer))
+        a16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        bf16 = graph_time_us(torch, lambda i, s: torch.matmul(a16, b16.t(), out=d[0]), 1, iters=iters)
+        rows.append(Row("gemm_fp8_context", f"{m}x{n}x{k} cuBLAS BF16 (context)", bf16, tflops=2 * m * n * k / 1e12))
+        ops = d = a16 = b16 = None
+    return rows
+
+
+BENCHES = {"quant": bench_quant, "gemm": bench_gemm, "gemm_fp8": bench_gemm_fp8}

@@ -64,10 +64,35 @@ def gemm_cases():
     ]
 
 
+def _gemm_fp8_case(m, n, k, rng, rowmajor_scales=False):
+    from .ops.gemm_fp8 import gemm_fp8
+    from .ops.quantize import quantize_fp8_per_block, quantize_fp8_per_token
+
+    x = (rng.standard_normal((m, k)) * 2).astype(np.float32)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    qa, sa = quantize_fp8_per_token(DeviceArray.from_numpy(x), scale_layout="rowmajor" if rowmajor_scales else "mmajor")
+    qb, sb = quantize_fp8_per_block(DeviceArray.from_numpy(w))
+    out = DeviceArray.empty((m, n), "bfloat16").fill_bytes(0xFF)
+    gemm_fp8(qa, sa, qb, sb, out)
+    sa_h, sb_h = sa.numpy().astype(np.float64), sb.numpy().astype(np.float64)
+    deq_a = qa.numpy().astype(np.float64) * np.repeat(sa_h, 128, axis=1)[:, :k]
+    deq_b = qb.numpy().astype(np.float64) * np.repeat(np.repeat(sb_h, 128, axis=0), 128, axis=1)[:n, :k]
+    ref = deq_a @ deq_b.T
+    got = out.numpy().astype(np.float64)
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    return bool(np.isfinite(got).all() and err <= 5e-3), f"rel. Frobenius error {err:.2e} (limit 5e-3)"
+
+
+def gemm_fp8_cases():
+    return [(f"gemm_fp8 {m}x{n}x{k}{' row-major scales' if rm else ''}",
+             lambda rng, m=m, n=n, k=k, rm=rm: _gemm_fp8_case(m, n, k, rng, rm))
+            for m, n, k, rm in [(1, 16, 16, False), (129, 2112, 1040, False), (300, 776, 4112, True)]]
+
+
 def run() -> bool:
     rng = np.random.default_rng()
     results = []
-    for name, case in cases() + gemm_cases():
+    for name, case in cases() + gemm_cases() + gemm_fp8_cases():
         try:
             ok, detail = case(rng)
         except Exception as e:  # report and keep going

@@ -313,8 +313,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     }
 #endif
 
-    // Epilogue: registers -> shared (64 x CH chunks, two buffers) -> TMA store or reduce-add. Before a buffer is
-    // rewritten, the TMA operation that last read it (two chunks back) must be done reading.
+    // Epilogue: registers -> shared (64 x CH chunks, two buffers) -> TMA store or reduce-add.
 #if EPI != EPI_STORE
     const int slice = (wk.tn * tiles_m + wk.tm) * CONSUMERS + c;
     if (DETERMINISTIC && splits > 1 && tid == 0) {
@@ -322,23 +321,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
       }
     }
 #endif
-#pragma unroll
-    for (int j = 0; j < CHUNKS; ++j) {
-      u8* buf = d_smem + (chunk_seq++ & 1) * CHUNK_BYTES;
-      if (tid == 0) bulk_wait_read<1>();
-      named_barrier(1 + c, 128);
-      chunk_to_smem(acc, j, buf, warp, lane);
-      fence_proxy_async_smem();
-      named_barrier(1 + c, 128);
-      if (tid == 0) {
-#if EPI == EPI_STORE
-        tma_store_2d(&tm_out, buf, n0 + j * CH, row0);
-#else
-        tma_reduce_add_2d(&tm_out, buf, n0 + j * CH, row0);
-#endif
-        bulk_commit();
-      }
-    }
+    tma_store_chunks<CHUNKS, CH, EPI != EPI_STORE>(&tm_out, d_smem, CHUNK_BYTES, chunk_seq, n0, row0, tid, 1 + c,
+                                                   [&](int j, u8* buf) { chunk_to_smem(acc, j, buf, warp, lane); });
 #if EPI != EPI_STORE
     if (tid == 0 && COUNTED && splits > 1) {
       bulk_wait<0>();  // the partial is in global memory, not just read out of shared memory

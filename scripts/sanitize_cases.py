@@ -42,3 +42,24 @@ for mode in (g.MCAST_SHARE_B, g.MCAST_SHARE_A):
         assert {p.cfg.mcast for p in g._plans.values()} == {mode}
         assert np.abs(d.numpy() - ref2).max() < 1e-2 * np.abs(ref2).max(), (mode, kw)
 print("gemm cluster sanitize cases ran")
+
+# FP8 block-scaled GEMM: tails on M, N and K; zero-copy M-major scales from the quantize op and row-major scales
+# (converted); then 2-CTA pairs on both sides.
+from cudart_kernels.ops import gemm_fp8 as f  # noqa: E402
+
+x8 = DeviceArray.from_numpy((rng.standard_normal((130, 528)) * 2).astype(np.float32))
+w8 = DeviceArray.from_numpy((rng.standard_normal((136, 528)) * 0.1).astype(np.float32))
+qa, sa = ck.quantize_fp8_per_token(x8)
+qb, sb = ck.quantize_fp8_per_block(w8)
+deq_a = qa.numpy().astype(np.float64) * np.repeat(sa.numpy().astype(np.float64), 128, axis=1)[:, :528]
+deq_b = qb.numpy().astype(np.float64) * np.repeat(np.repeat(sb.numpy().astype(np.float64), 128, 0), 128, 1)[:136, :528]
+ref8 = deq_a @ deq_b.T
+sa_rowmajor = DeviceArray.from_numpy(np.ascontiguousarray(sa.numpy()))
+for mode in (g.MCAST_NONE, g.MCAST_SHARE_B, g.MCAST_SHARE_A):
+    g.pick_multicast = lambda *args, mode=mode: mode
+    f._plans.clear()
+    for scales in (sa, sa_rowmajor):
+        d = ck.gemm_fp8(qa, scales, qb, sb)
+        assert {p.cfg.mcast for p in f._plans.values()} == {mode}
+        assert np.abs(d.numpy().astype(np.float64) - ref8).max() < 2e-2 * np.abs(ref8).max(), mode
+print("gemm_fp8 sanitize cases ran")

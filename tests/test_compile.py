@@ -110,3 +110,19 @@ def test_gemm_sass_uses_tensor_cores(variant):
     assert not re.search(r"\b(LDL|STL)\b", text), "local memory in SASS"
     assert "UTMALDG" in text  # TMA loads
     assert ("UTMAREDG" if variant[2]["EPI"] != "EPI_STORE" else "UTMASTG") in text  # TMA reduce-add or store
+
+
+FP8 = [v for v in VARIANTS["gemm_fp8"]() if v[1] == "gemm_fp8_kernel"]
+
+
+@pytest.mark.parametrize("variant", FP8, ids=[str(v[2]) for v in FP8])
+def test_fp8_gemm_sass_uses_fp8_tensor_cores(variant):
+    """The FP8 GEMM runs on FP8 wgmma (QGMMA e4m3) of its configured shape, with TMA, and no local memory."""
+    import re
+
+    from cudart_kernels.runtime.cubin import sass
+
+    text = sass(compile_kernel(variant[0], variant[1], variant[2], "sm_90a").cubin)
+    assert re.search(rf"QGMMA\.64x{variant[2]['BN']}x32\.F32\.E4M3\.E4M3", text), "no QGMMA of the configured shape"
+    assert not re.search(r"\b(LDL|STL)\b", text), "local memory in SASS"
+    assert "UTMALDG" in text and "UTMASTG" in text

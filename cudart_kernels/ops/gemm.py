@@ -108,6 +108,16 @@ def _split_bn_candidates(n: int) -> list[int]:
     return sorted(cands)
 
 
+def fewest_waves_bn(m: int, n: int, bm: int, candidates, props: DeviceProperties) -> int:
+    """The BN that needs the fewest waves of BM x BN tiles, then fills the last wave most, then is widest (the
+    DeepGEMM rule)."""
+    def key(bn):
+        tiles = -(-m // bm) * -(-n // bn)
+        waves = -(-tiles // props.sm_count)
+        return waves, -(tiles - (waves - 1) * props.sm_count), -bn
+    return min(candidates, key=key)
+
+
 def kblock_us(bm: int, bn: int) -> float:
     """Microseconds per k block of one BM x BN unit (linear between the fitted BN points)."""
     pts = _KB_US[bm]
@@ -151,17 +161,8 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     epi_plain = 4 if accumulate else out_bytes
 
     def no_split():
-        best = None
-        for bn in _bn_candidates(n):
-            if max_stages(bm, bn, epi_plain, budget, b_kn) < 2:
-                continue
-            tiles = -(-m // bm) * -(-n // bn)
-            waves = -(-tiles // props.sm_count)
-            last = tiles - (waves - 1) * props.sm_count
-            key = (waves, -last / props.sm_count, -bn)
-            if best is None or key < best[0]:
-                best = (key, bn)
-        return best[1]
+        return fewest_waves_bn(m, n, bm, [b for b in _bn_candidates(n)
+                                          if max_stages(bm, b, epi_plain, budget, b_kn) >= 2], props)
 
     if split_k is not None:
         splits = max(1, min(int(split_k), k_blocks))

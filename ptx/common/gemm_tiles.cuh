@@ -56,3 +56,30 @@ __device__ __forceinline__ void stmatrix_chunk(const float* acc, int j, u8* buf,
     stmatrix_x2(buf + swizzled_offset<ROW>(row, 0), pack(acc[4 * j], acc[4 * j + 1]),
                 pack(acc[4 * j + 2], acc[4 * j + 3]));
 }
+
+// A consumer warpgroup's epilogue: its 64-row result goes to global memory in CHUNKS chunks of 64 x CH through two
+// alternating shared buffers of `chunk_bytes` at `bufs` (`seq` counts the chunks it ever issued and picks the
+// buffer). `write(j, buf)` fills chunk j; thread 0 then stores it with TMA at (col0 + j * CH, row0), or adds it
+// (REDUCE). Before a buffer is rewritten the TMA operation that last read it (two chunks back) must be done
+// reading. `bar` is the warpgroup's named barrier.
+template <int CHUNKS, int CH, bool REDUCE, typename Write>
+__device__ __forceinline__ void tma_store_chunks(const CUtensorMap_st* map, u8* bufs, int chunk_bytes, u32& seq,
+                                                 int col0, int row0, int tid, int bar, Write write) {
+#pragma unroll
+  for (int j = 0; j < CHUNKS; ++j) {
+    u8* buf = bufs + (seq++ & 1) * chunk_bytes;
+    if (tid == 0) bulk_wait_read<1>();
+    named_barrier(bar, 128);
+    write(j, buf);
+    fence_proxy_async_smem();
+    named_barrier(bar, 128);
+    if (tid == 0) {
+      if constexpr (REDUCE) {
+        tma_reduce_add_2d(map, buf, col0 + j * CH, row0);
+      } else {
+        tma_store_2d(map, buf, col0 + j * CH, row0);
+      }
+      bulk_commit();
+    }
+  }
+}

@@ -1,0 +1,12 @@
+// Scale layouts for the FP8 GEMM.
+#include "common/types.cuh"
+
+// Row-major scales of A [M, G] (any strides) -> the M-major layout the GEMM loads (out[g * ld_out + m]).
+extern "C" __global__ void scales_to_mmajor(const float* in, i64 in_row, i64 in_col, float* out, i64 ld_out, int m,
+                                            int g) {
+  const i64 i = i64(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < i64(m) * g) {
+    const int row = int(i % m), col = int(i / m);
+    out[col * ld_out + row] = in[row * in_row + col * in_col];
+  }
+}
