@@ -71,21 +71,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   const int tid = threadIdx.x % 128;
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], CLUSTER * CONSUMERS * 4);  // one arrival per consumer warp of each CTA
-    }
-    fence_barrier_init();
     tma_prefetch_map(&tm_a);
     tma_prefetch_map(&tm_b);
     tma_prefetch_map(&tm_sa);
     tma_prefetch_map(&tm_d);
   }
-  if constexpr (MCAST) {
-    cluster_sync();  // the partner's barriers are initialised before any multicast or remote arrival
-  } else {
-    __syncthreads();
-  }
+  pipeline_init<MCAST>(full, empty, STAGES, CLUSTER * CONSUMERS * 4);
 
   if (wg == 0) {
     // ---- producer ----
@@ -101,26 +92,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
         mbar_arrive_expect_tx(&full[s], A_STAGE + B_STAGE + SA_STAGE);
         u8* sa = smem + s * A_STAGE;
         u8* sbt = smem + SMEM_B + s * B_STAGE;
-#if MCAST == 2
-        tma_load_2d_multicast(sa + rank * (A_STAGE / 2), &tm_a, &full[s], kb * BK, m0 + rank * (BM / 2), 3);
-#else
-        tma_load_2d(sa, &tm_a, &full[s], kb * BK, m0);
-#endif
-#if MCAST == 1
-        tma_load_2d_multicast(sbt + rank * (B_STAGE / 2), &tm_b, &full[s], kb * BK, n0 + rank * (BN / 2), 3);
-#else
-        tma_load_2d(sbt, &tm_b, &full[s], kb * BK, n0);
-#endif
+        tma_load_operand<MCAST == 2>(sa, &tm_a, &full[s], kb * BK, m0, BM, A_STAGE, rank);
+        tma_load_operand<MCAST == 1>(sbt, &tm_b, &full[s], kb * BK, n0, BN, B_STAGE, rank);
         tma_load_2d(smem + SMEM_SA + s * SA_STAGE, &tm_sa, &full[s], m0, kb);
         if (++s == STAGES) { s = 0; phase ^= 1; }
       }
     }
-    if constexpr (MCAST) {
-      for (int i = 0; i < STAGES; ++i) {  // every stage released by both CTAs: no arrival is still in flight
-        mbar_wait(&empty[s], phase ^ 1);
-        if (++s == STAGES) { s = 0; phase ^= 1; }
-      }
-    }
+    producer_drain<MCAST>(empty, s, phase, STAGES);
     return;
   }
 

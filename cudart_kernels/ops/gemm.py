@@ -227,6 +227,19 @@ def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, pr
     return best
 
 
+def persistent_grid(launch, m: int, n: int, bm: int, bn: int, mcast: int, splits: int, smem: int,
+                    props: DeviceProperties) -> tuple:
+    """One CTA per work unit up to one per SM; under multicast, whole 2-CTA clusters, all resident at once
+    (the split-K turnstile relies on it)."""
+    if not mcast:
+        return (max(1, min(-(-m // bm) * -(-n // bn) * splits, props.sm_count)), 1, 1)
+    cl_m, cl_n = cluster_tiles(m, n, bm, bn, mcast)
+    clusters = min(cl_m * cl_n * splits, props.sm_count // 2, launch.max_active_clusters())
+    if clusters < 1:
+        raise RuntimeError(f"no 2-CTA cluster of {smem} bytes of shared memory fits this device")
+    return (2 * clusters, 1, 1)
+
+
 def group_rows(m: int, n: int, bm: int, bn: int, mcast: int, props: DeviceProperties) -> int:
     """Cluster-tile rows per group of the tile order. A wave covers about `group x (wave / group)` cluster tiles;
     the group that minimises the A rows plus B rows a wave reads is sqrt(wave * tile_n / tile_m). When all
@@ -388,14 +401,7 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, props) -> _P
     launch = get_launcher("gemm.cu", "gemm_kernel", defines, av.device, _ARGS, (cfg.threads,), cfg.smem,
                           cluster=(cfg.cluster, 1, 1) if cfg.mcast else None)
     tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
-    if cfg.mcast:  # clusters of two; all of them resident at once (the split-K turnstile relies on it)
-        cl_m, cl_n = cluster_tiles(m, n, cfg.bm, cfg.bn, cfg.mcast)
-        clusters = min(cl_m * cl_n * cfg.splits, props.sm_count // 2, launch.max_active_clusters())
-        if clusters < 1:
-            raise RuntimeError(f"gemm: no 2-CTA cluster of {cfg.smem} bytes of shared memory fits this device")
-        grid = (2 * clusters, 1, 1)
-    else:
-        grid = (max(1, min(tiles * cfg.splits, props.sm_count)), 1, 1)
+    grid = persistent_grid(launch, m, n, cfg.bm, cfg.bn, cfg.mcast, cfg.splits, cfg.smem, props)
     it = av.dtype.itemsize
     ld_w = -(-n // 4) * 4
     a_rows = cfg.bm // 2 if cfg.mcast == MCAST_SHARE_A else cfg.bm  # a multicast side loads half a tile

@@ -10,7 +10,6 @@ from ..runtime import dtypes as dt
 from ..runtime.driver import DeviceProperties, device_properties, stream_handle
 from ..runtime.interop import DeviceArray, as_array, require
 from ..runtime.launch import get_launcher
-from ..runtime.tensormap import AddressedMapCache
 from . import gemm as _gemm
 from .quantize import mmajor_stride
 
@@ -101,12 +100,6 @@ def variants():
     return list(seen.values()) + [("fp8_scales.cu", "scales_to_mmajor", {}, 0)]
 
 
-class _PerThread(threading.local):
-    def __init__(self):
-        self.maps = AddressedMapCache()
-
-
-_local = _PerThread()
 _plans: dict = {}
 
 
@@ -176,14 +169,7 @@ def _plan(av, sav, bv, sbv, dv, props) -> _Plan:
     cfg = pick_config(m, n, k, props)
     launch = get_launcher("gemm_fp8.cu", "gemm_fp8_kernel", _defines(cfg), av.device, _ARGS, (cfg.threads,),
                           cfg.smem, cluster=(cfg.cluster, 1, 1) if cfg.mcast else None)
-    if cfg.mcast:
-        cl_m, cl_n = _gemm.cluster_tiles(m, n, cfg.bm, cfg.bn, cfg.mcast)
-        clusters = min(cl_m * cl_n, props.sm_count // 2, launch.max_active_clusters())
-        if clusters < 1:
-            raise RuntimeError(f"gemm_fp8: no 2-CTA cluster of {cfg.smem} bytes of shared memory fits this device")
-        grid = (2 * clusters, 1, 1)
-    else:
-        grid = (max(1, min(-(-m // cfg.bm) * -(-n // cfg.bn), props.sm_count)), 1, 1)
+    grid = _gemm.persistent_grid(launch, m, n, cfg.bm, cfg.bn, cfg.mcast, 1, cfg.smem, props)
     groups = -(-k // 128)
     a_rows = cfg.bm // 2 if cfg.mcast == _gemm.MCAST_SHARE_A else cfg.bm
     b_rows = cfg.bn // 2 if cfg.mcast == _gemm.MCAST_SHARE_B else cfg.bn
@@ -243,7 +229,7 @@ def gemm_fp8(a, sa, b, sb, out=None, *, stream=None):
         buf = sb_buf.get(ld * groups, av.device, stream)
         plan.convert(plan.convert_grid, h, sav.ptr, sav.strides[0], sav.strides[1], buf.ptr, ld, m, groups)
         sa_ptr = buf.ptr
-    maps = _local.maps
+    maps = _gemm._local.maps  # the GEMM module's per-thread tensor-map cache
     plan.launch(plan.grid, h, maps.get("a8", plan.map_a, av.ptr), maps.get("b8", plan.map_b, bv.ptr),
                 maps.get("sa", plan.map_sa, sa_ptr), maps.get("d8", plan.map_d, dv.ptr), sbv.ptr,
                 sbv.strides[0], sbv.strides[1], m, n, k, plan.cfg.group_m)

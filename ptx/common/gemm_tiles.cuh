@@ -83,3 +83,46 @@ __device__ __forceinline__ void tma_store_chunks(const CUtensorMap_st* map, u8* 
     }
   }
 }
+
+// Thread 0 initialises the stage barriers (full: the producer's one arrival plus the TMA bytes; empty: one
+// arrival per consumer warp of every CTA that writes into this CTA's stages), then the whole CTA, or under
+// multicast the whole cluster, synchronises: the partner's barriers exist before any multicast or remote arrival.
+template <int PAIRING>
+__device__ __forceinline__ void pipeline_init(u64* full, u64* empty, int stages, u32 empty_arrivals) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], empty_arrivals);
+    }
+    fence_barrier_init();
+  }
+  if constexpr (PAIRING != 0) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
+}
+
+// Producer, after its last load under multicast: wait until both CTAs released every stage, so that no remote
+// arrival still targets this CTA when it exits.
+template <int PAIRING>
+__device__ __forceinline__ void producer_drain(u64* empty, int s, u32 phase, int stages) {
+  if constexpr (PAIRING != 0) {
+    for (int i = 0; i < stages; ++i) {
+      mbar_wait(&empty[s], phase ^ 1);
+      if (++s == stages) { s = 0; phase ^= 1; }
+    }
+  }
+}
+
+// Load a BM- or BN-row operand tile of one k block: whole, or (SHARED, a tile both CTAs of a pair use) this CTA's
+// half, multicast to both. `tile_bytes` is the whole tile's size in shared memory.
+template <bool SHARED>
+__device__ __forceinline__ void tma_load_operand(u8* dst, const CUtensorMap_st* map, u64* bar, int k0, int row0,
+                                                 int rows, int tile_bytes, u32 rank) {
+  if constexpr (SHARED) {
+    tma_load_2d_multicast(dst + rank * (tile_bytes / 2), map, bar, k0, row0 + rank * (rows / 2), 3);
+  } else {
+    tma_load_2d(dst, map, bar, k0, row0);
+  }
+}
