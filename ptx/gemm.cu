@@ -153,17 +153,7 @@ __device__ __forceinline__ void chunk_to_smem(const float* acc, int j, u8* buf, 
 #if EPI == EPI_STORE && OUT_KIND != KIND_FP32
   stmatrix_chunk<CH>(acc, j, buf, warp, lane, [](float a, float b) { return pack_out(a, b); });
 #else
-#pragma unroll
-  for (int g = 0; g < CH / 8; ++g) {
-    const int i = j * (CH / 8) + g;
-    const int col = g * 8 + (lane % 4) * 2;  // fp32 column within the chunk: granule col / 4, byte (col % 4) * 4
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = warp * 16 + lane / 4 + 8 * h;
-      *reinterpret_cast<u32x2*>(buf + swizzled_offset<CHUNK_ROW_BYTES>(row, col / 4) + (col % 4) * 4) =
-          u32x2{__float_as_uint(acc[4 * i + 2 * h]), __float_as_uint(acc[4 * i + 2 * h + 1])};
-    }
-  }
+  f32_chunk<CH>(acc, j, buf, warp, lane);
 #endif
 }
 

@@ -1,6 +1,6 @@
 // FP8 block-scaled GEMM (the DeepGEMM recipe): D[M, N] (bf16) = (A[M, K] * sA) @ (B[N, K] * sB)^T with A and B
 // e4m3 (K-major), sA one fp32 scale per 1x128 group of a row of A, stored M-major (sA[kb * ld_sa + m]), and sB one
-// fp32 scale per 128x128 block of B (sB[nb * sb_row + kb * sb_col], any strides).
+// fp32 scale per 128x128 block of B (sB[g * sb_group + nb * sb_row + kb * sb_col], any strides).
 //
 // The structure is gemm.cu's: persistent grid, warpgroup 0 a TMA producer filling a STAGES-deep ring (A, B and
 // this k block's sA column), BM / 64 consumer warpgroups each owning 64 rows of the BM x BN tile, grouped tile
@@ -10,12 +10,33 @@
 // sA (per row) x sB (per 128 columns): FP8 wgmma keeps about 14 mantissa bits, so each scale block is summed
 // by the tensor cores and promoted to fp32 in registers. TMA zero-fills A, B and sA past M, N and K.
 //
-// Compile-time parameters: BM (64, 128), BN (16..192, step 16), STAGES, MCAST.
+// LAYOUT (`info` is a device int array):
+// - LAYOUT_NORMAL: one GEMM.
+// - LAYOUT_CONTIGUOUS (MoE prefill): A's M rows are the experts' rows back to back, info[m] the group of row m
+//   (-1: padding); B is [G, N, K] seen as [G * N, K]. Each group's segment starts at a multiple of BM, so a tile's
+//   group is its first row's; a tile of padding only is skipped, and rows of another group or padding are not
+//   written.
+// - LAYOUT_MASKED (MoE decode): A is [G, M, K] seen as [G * M, K], D [G * M, N]; only the first info[g] rows of
+//   group g are computed and written (tiles past them are skipped; info lives on the GPU, no host sync).
+// - LAYOUT_KGROUPED (weight gradient): group g reduces over k in [info[g], info[g + 1]) (multiples of 128) into
+//   its own fp32 D[g] ([G * M, N]), which is added to (TMA reduce-add); both operands have 1x128 scales (sA
+//   [K/128][M] and sB [K/128][N], M-major, loaded with TMA: sB is per column of D, "1D-1D" scaling).
+// A 64-row slice of a tile with rows that must not be written (past a group's end, another group's, padding) is
+// written by its threads directly (bf16 stores, or fp32 atomic adds), every other slice through TMA.
+//
+// Compile-time parameters: BM (64, 128), BN (16..192, step 16), STAGES, MCAST, LAYOUT.
 #include "common/gemm_tiles.cuh"
 #include "common/wgmma_ops.cuh"
 
 #ifndef MCAST
 #define MCAST 0
+#endif
+#define LAYOUT_NORMAL 0
+#define LAYOUT_CONTIGUOUS 1
+#define LAYOUT_MASKED 2
+#define LAYOUT_KGROUPED 3
+#ifndef LAYOUT
+#define LAYOUT LAYOUT_NORMAL
 #endif
 
 constexpr int BK = 128;  // e4m3 elements = bytes: one 128-byte swizzle span, four k32 wgmma steps, one scale block
@@ -24,9 +45,14 @@ constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int A_STAGE = BM * BK;
 constexpr int B_STAGE = BN * BK;
 constexpr int SA_STAGE = BM * 4;
-constexpr int CH = BN % 64 == 0 ? 64 : BN % 32 == 0 ? 32 : 16;  // bf16 output chunk: rows of at most 128 bytes
+constexpr bool WGRAD = LAYOUT == LAYOUT_KGROUPED;
+constexpr bool PER_GROUP_TILES = LAYOUT == LAYOUT_MASKED || LAYOUT == LAYOUT_KGROUPED;  // M counts a group's rows
+constexpr int SB_STAGE = WGRAD ? BN * 4 : 0;  // this k block's 1x128 scales of B's BN rows
+constexpr int OUT_BYTES = WGRAD ? 4 : 2;
+constexpr int CH_MAX = 128 / OUT_BYTES;  // output chunk rows of at most 128 bytes (one swizzle span)
+constexpr int CH = BN % CH_MAX == 0 ? CH_MAX : BN % 32 == 0 ? 32 : 16;
 constexpr int CHUNKS = BN / CH;
-constexpr int CHUNK_BYTES = 64 * CH * 2;
+constexpr int CHUNK_BYTES = 64 * CH * OUT_BYTES;
 constexpr int CLUSTER = MCAST ? 2 : 1;
 constexpr int ACC = BN / 2;  // fp32 accumulator registers per thread for m64nBN
 constexpr int PRODUCER_REGS = 40;
@@ -35,6 +61,7 @@ static_assert(BM == 64 || BM == 128, "BM must be 64 or 128");
 static_assert(BN % 16 == 0 && BN >= 16 && BN <= 192, "BN must be a multiple of 16 in 16..192");
 static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0) || (MCAST == 2 && BM == 128),
               "multicast halves must be whole 8-row swizzle atoms");
+static_assert(!(LAYOUT == LAYOUT_CONTIGUOUS && MCAST == 1), "tiles paired along M may belong to different groups");
 
 // A tile starts at a multiple of BN, so it crosses at most SB_BLOCKS 128-column scale blocks of B: with
 // g = gcd(BN, 128) (the lowest set bit of BN, at most 128) its first column sits at most 128 - g into a block
@@ -43,18 +70,77 @@ constexpr int BN_GCD_128 = (BN & -BN) < 128 ? (BN & -BN) : 128;
 constexpr int SB_BLOCKS = (128 - BN_GCD_128 + BN + 127) / 128;
 static_assert(SB_BLOCKS <= 3, "a tile spans at most three scale blocks of B");
 
-// Shared memory (from a 1024-byte aligned base): A stages | B stages | sA stages | output chunks | barriers.
+// Shared memory (from a 1024-byte aligned base): A stages | B stages | sA stages | sB stages | output chunks |
+// barriers.
 constexpr int SMEM_B = STAGES * A_STAGE;
 constexpr int SMEM_SA = SMEM_B + STAGES * B_STAGE;
-constexpr int SMEM_D = (SMEM_SA + STAGES * SA_STAGE + 1023) / 1024 * 1024;
+constexpr int SMEM_SB = SMEM_SA + STAGES * SA_STAGE;
+constexpr int SMEM_D = (SMEM_SB + STAGES * SB_STAGE + 1023) / 1024 * 1024;
 constexpr int SMEM_BARS = SMEM_D + CONSUMERS * 2 * CHUNK_BYTES;  // then 2 x STAGES mbarriers
 
 // tm_a / tm_b: boxes {128, BM} / {128, BN} (halves under multicast), 128-byte swizzle; tm_sa: the M-major scales
 // of A as a [K/128][M] fp32 tensor, box {BM, 1}; tm_d: D in bf16, box {CH, 64}, swizzle CH * 2.
+// One tile of work: where its operands and output live and which k blocks it sums.
+struct Tile {
+  int m0, n0;        // tile origin in D's rows of its group and D's columns
+  int g;             // group
+  int a_row, b_row;  // first row of the A and B tiles in their (flattened) maps
+  int d_row;         // first row of the tile in D's (flattened) map
+  int kb0, kb1;      // k blocks [kb0, kb1)
+  int rows;          // rows of the group that may be written: the tile's rows from m0 below `rows`
+  bool skip;         // nothing to compute (padding, masked out, empty k range)
+};
+
+__device__ __forceinline__ Tile tile_of(int unit, int per_group, int cl_tiles_m, int cl_tiles_n, int group_m,
+                                        u32 rank, const int* info, int M, int N, int K, int groups) {
+  const int g = PER_GROUP_TILES ? unit / per_group : 0;
+  const Work wk = unit_work<MCAST>(PER_GROUP_TILES ? unit % per_group : unit, 1, cl_tiles_m, cl_tiles_n, group_m,
+                                   rank);
+  Tile t;
+  t.m0 = wk.tm * BM;
+  t.n0 = wk.tn * BN;
+  t.g = g;
+  t.a_row = t.d_row = t.m0;
+  t.b_row = t.n0;
+  t.kb0 = 0;
+  t.kb1 = (K + BK - 1) / BK;
+  t.rows = M;
+  t.skip = false;
+  if constexpr (LAYOUT == LAYOUT_CONTIGUOUS) {
+    t.g = __ldg(info + min(t.m0, M - 1));
+    t.skip = t.g < 0 || t.g >= groups;  // padding (or an id past the groups: treated alike)
+    t.b_row = max(t.g, 0) * N + t.n0;
+  } else if constexpr (LAYOUT == LAYOUT_MASKED) {
+    t.rows = min(__ldg(info + g), M);
+    // Both CTAs of a pair along M load for each other: skip only when the pair's first tile is masked out.
+    t.skip = (MCAST == 1 ? wk.tm & ~1 : wk.tm) * BM >= t.rows;
+    t.a_row = t.d_row = g * M + t.m0;
+    t.b_row = g * N + t.n0;
+  } else if constexpr (LAYOUT == LAYOUT_KGROUPED) {
+    t.kb0 = __ldg(info + g) / BK;
+    t.kb1 = __ldg(info + g + 1) / BK;
+    t.skip = t.kb1 <= t.kb0;
+    t.d_row = g * M + t.m0;
+  }
+  return t;
+}
+
+// Row r (from the tile's origin) of the tile may be written.
+__device__ __forceinline__ bool row_writable(const Tile& t, int r, const int* info) {
+  const int row = t.m0 + r;
+  if constexpr (LAYOUT == LAYOUT_CONTIGUOUS) return row < t.rows && __ldg(info + row) == t.g;
+  return row < t.rows;
+}
+
+// tm_a / tm_b: boxes {128, BM} / {128, BN} (halves under multicast), 128-byte swizzle; tm_sa: the M-major scales
+// of A as a [K/128][M] fp32 tensor, box {BM, 1}; tm_sb (LAYOUT_KGROUPED): B's as [K/128][N], box {BN, 1};
+// tm_d: D in bf16 (fp32 for LAYOUT_KGROUPED), box {CH, 64}, swizzle CH * OUT_BYTES. d / ld_d: D for the direct
+// writes. M, N, K: one group's GEMM (LAYOUT_CONTIGUOUS: M counts all rows; LAYOUT_KGROUPED: K counts all groups').
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
     const __grid_constant__ CUtensorMap_st tm_a, const __grid_constant__ CUtensorMap_st tm_b,
-    const __grid_constant__ CUtensorMap_st tm_sa, const __grid_constant__ CUtensorMap_st tm_d, const float* sb,
-    i64 sb_row, i64 sb_col, int M, int N, int K, int group_m) {
+    const __grid_constant__ CUtensorMap_st tm_sa, const __grid_constant__ CUtensorMap_st tm_sb,
+    const __grid_constant__ CUtensorMap_st tm_d, const float* sb, i64 sb_group, i64 sb_row, i64 sb_col,
+    const int* info, void* d, i64 ld_d, int M, int N, int K, int groups, int group_m) {
   extern __shared__ u8 smem_raw[];
   u8* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   u64* full = reinterpret_cast<u64*>(smem + SMEM_BARS);
@@ -63,8 +149,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
   const int cl_tiles_m = MCAST == 1 ? (tiles_m + 1) / 2 : tiles_m;
   const int cl_tiles_n = MCAST == 2 ? (tiles_n + 1) / 2 : tiles_n;
-  const int units = cl_tiles_m * cl_tiles_n;
-  const int k_blocks = (K + BK - 1) / BK;
+  const int per_group = cl_tiles_m * cl_tiles_n;
+  const int units = PER_GROUP_TILES ? groups * per_group : per_group;
   const int first_unit = blockIdx.x / CLUSTER, unit_step = gridDim.x / CLUSTER;
   const u32 rank = MCAST ? cluster_rank() : 0;
   const int wg = threadIdx.x / 128;
@@ -74,6 +160,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
     tma_prefetch_map(&tm_a);
     tma_prefetch_map(&tm_b);
     tma_prefetch_map(&tm_sa);
+    if (WGRAD) tma_prefetch_map(&tm_sb);
     tma_prefetch_map(&tm_d);
   }
   pipeline_init<MCAST>(full, empty, STAGES, CLUSTER * CONSUMERS * 4);
@@ -85,16 +172,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
     int s = 0;
     u32 phase = 0;
     for (int unit = first_unit; unit < units; unit += unit_step) {
-      const Work wk = unit_work<MCAST>(unit, 1, cl_tiles_m, cl_tiles_n, group_m, rank);
-      const int m0 = wk.tm * BM, n0 = wk.tn * BN;
-      for (int kb = 0; kb < k_blocks; ++kb) {
+      const Tile t = tile_of(unit, per_group, cl_tiles_m, cl_tiles_n, group_m, rank, info, M, N, K, groups);
+      if (t.skip) continue;
+      for (int kb = t.kb0; kb < t.kb1; ++kb) {
         mbar_wait(&empty[s], phase ^ 1);
-        mbar_arrive_expect_tx(&full[s], A_STAGE + B_STAGE + SA_STAGE);
-        u8* sa = smem + s * A_STAGE;
-        u8* sbt = smem + SMEM_B + s * B_STAGE;
-        tma_load_operand<MCAST == 2>(sa, &tm_a, &full[s], kb * BK, m0, BM, A_STAGE, rank);
-        tma_load_operand<MCAST == 1>(sbt, &tm_b, &full[s], kb * BK, n0, BN, B_STAGE, rank);
-        tma_load_2d(smem + SMEM_SA + s * SA_STAGE, &tm_sa, &full[s], m0, kb);
+        mbar_arrive_expect_tx(&full[s], A_STAGE + B_STAGE + SA_STAGE + SB_STAGE);
+        tma_load_operand<MCAST == 2>(smem + s * A_STAGE, &tm_a, &full[s], kb * BK, t.a_row, BM, A_STAGE, rank);
+        tma_load_operand<MCAST == 1>(smem + SMEM_B + s * B_STAGE, &tm_b, &full[s], kb * BK, t.b_row, BN, B_STAGE,
+                                     rank);
+        tma_load_2d(smem + SMEM_SA + s * SA_STAGE, &tm_sa, &full[s], t.a_row, kb);
+        if (WGRAD) tma_load_2d(smem + SMEM_SB + s * SB_STAGE, &tm_sb, &full[s], t.n0, kb);
         if (++s == STAGES) { s = 0; phase ^= 1; }
       }
     }
@@ -114,22 +201,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   u32 phase = 0;
   u32 chunk_seq = 0;
   for (int unit = first_unit; unit < units; unit += unit_step) {
-    const Work wk = unit_work<MCAST>(unit, 1, cl_tiles_m, cl_tiles_n, group_m, rank);
-    const int m0 = wk.tm * BM, n0 = wk.tn * BN;
+    const Tile t = tile_of(unit, per_group, cl_tiles_m, cl_tiles_n, group_m, rank, info, M, N, K, groups);
+    if (t.skip) continue;
+    const int n0 = t.n0;
     // Column group i (8 columns) of this tile lies in B's scale block n0 / 128 + (8 i >= first_next) +
     // (8 i >= first_next + 128). Blocks past N are clamped (their columns are not stored).
     const int first_next = 128 - n0 % 128;
-    const float* sb0 = sb + min(n0 / 128, n_blocks - 1) * sb_row;
-    const float* sb1 = sb + min(n0 / 128 + 1, n_blocks - 1) * sb_row;
-    const float* sb2 = sb + min(n0 / 128 + 2, n_blocks - 1) * sb_row;
+    const int nb0 = min(n0 / 128, n_blocks - 1);
+    const float* sbk = sb + (WGRAD ? 0 : max(t.g, 0) * sb_group) + nb0 * sb_row + t.kb0 * sb_col;  // at block kb
+    const int sb_next1 = int((min(n0 / 128 + 1, n_blocks - 1) - nb0) * sb_row);  // sB is small: int offsets
+    const int sb_next2 = int((min(n0 / 128 + 2, n_blocks - 1) - nb0) * sb_row);
 #pragma unroll
     for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
 
-    for (int kb = 0; kb < k_blocks; ++kb) {
+    for (int kb = t.kb0; kb < t.kb1; ++kb) {
       // B's scales for this k block (L1/L2 hits), loaded before the wait so that their latency overlaps it.
-      const float scale_b0 = __ldg(sb0 + kb * sb_col);
-      const float scale_b1 = SB_BLOCKS > 1 ? __ldg(sb1 + kb * sb_col) : 0.f;
-      const float scale_b2 = SB_BLOCKS > 2 ? __ldg(sb2 + kb * sb_col) : 0.f;
+      const float scale_b0 = WGRAD ? 0.f : __ldg(sbk);
+      const float scale_b1 = !WGRAD && SB_BLOCKS > 1 ? __ldg(sbk + sb_next1) : 0.f;
+      const float scale_b2 = !WGRAD && SB_BLOCKS > 2 ? __ldg(sbk + sb_next2) : 0.f;
+      sbk += sb_col;
       mbar_wait(&full[s], phase);
       const u64 da = wgmma_desc_sw128(smem + s * A_STAGE + c * 64 * 128);
       const u64 db = wgmma_desc_sw128(smem + SMEM_B + s * B_STAGE);
@@ -142,27 +232,74 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
       const float scale_a0 = sa_stage[lane / 4], scale_a1 = sa_stage[lane / 4 + 8];  // rows r and r + 8
       wgmma_wait<0>();
       fence_registers(part);
-      if (lane == 0) release_stage<MCAST>(&empty[s], rank);  // sA was read above: the stage is done
-      if (++s == STAGES) { s = 0; phase ^= 1; }
+      if constexpr (WGRAD) {
+        // Per-column scales of B: this thread's columns 8 i + 2 (lane % 4) + {0, 1}.
+        const float* sb_stage = reinterpret_cast<const float*>(smem + SMEM_SB + s * SB_STAGE) + (lane % 4) * 2;
 #pragma unroll
-      for (int i = 0; i < ACC / 4; ++i) {
-        const float scale_b = SB_BLOCKS > 2 && 8 * i >= first_next + 128 ? scale_b2
-                              : SB_BLOCKS > 1 && 8 * i >= first_next     ? scale_b1
-                                                                         : scale_b0;
-        const float s0 = scale_a0 * scale_b, s1 = scale_a1 * scale_b;
-        acc[4 * i] += part[4 * i] * s0;
-        acc[4 * i + 1] += part[4 * i + 1] * s0;
-        acc[4 * i + 2] += part[4 * i + 2] * s1;
-        acc[4 * i + 3] += part[4 * i + 3] * s1;
+        for (int i = 0; i < ACC / 4; ++i) {
+          const float2 scale_b = *reinterpret_cast<const float2*>(sb_stage + 8 * i);
+          acc[4 * i] += part[4 * i] * (scale_a0 * scale_b.x);
+          acc[4 * i + 1] += part[4 * i + 1] * (scale_a0 * scale_b.y);
+          acc[4 * i + 2] += part[4 * i + 2] * (scale_a1 * scale_b.x);
+          acc[4 * i + 3] += part[4 * i + 3] * (scale_a1 * scale_b.y);
+        }
+        __syncwarp();
+        if (lane == 0) release_stage<MCAST>(&empty[s], rank);
+        if (++s == STAGES) { s = 0; phase ^= 1; }
+      } else {
+        if (lane == 0) release_stage<MCAST>(&empty[s], rank);  // sA was read above: the stage is done
+        if (++s == STAGES) { s = 0; phase ^= 1; }
+#pragma unroll
+        for (int i = 0; i < ACC / 4; ++i) {
+          const float scale_b = SB_BLOCKS > 2 && 8 * i >= first_next + 128 ? scale_b2
+                                : SB_BLOCKS > 1 && 8 * i >= first_next     ? scale_b1
+                                                                           : scale_b0;
+          const float s0 = scale_a0 * scale_b, s1 = scale_a1 * scale_b;
+          acc[4 * i] += part[4 * i] * s0;
+          acc[4 * i + 1] += part[4 * i + 1] * s0;
+          acc[4 * i + 2] += part[4 * i + 2] * s1;
+          acc[4 * i + 3] += part[4 * i + 3] * s1;
+        }
       }
     }
 
-    const int row0 = m0 + c * 64;
-    if (row0 >= M || n0 >= N) continue;  // a slice past the edge (BM rows beyond M, or a cluster's spare tile)
-    tma_store_chunks<CHUNKS, CH, false>(
-        &tm_d, d_smem, CHUNK_BYTES, chunk_seq, n0, row0, tid, 1 + c, [&](int j, u8* buf) {
-          stmatrix_chunk<CH>(acc, j, buf, warp, lane, [](float a, float b) { return f32x2_to_bf16x2(a, b); });
-        });
+    const int r0 = c * 64;  // this slice's first row within the tile
+    if (t.m0 + r0 >= t.rows || n0 >= N) continue;  // a slice past the edge (or a cluster's spare tile)
+    if constexpr (LAYOUT != LAYOUT_NORMAL) {
+      const int r = r0 + warp * 16 + lane / 4;  // this thread's rows r and r + 8
+      const bool ok0 = row_writable(t, r, info), ok1 = row_writable(t, r + 8, info);
+      if (!named_barrier_all(1 + c, 128, ok0 && ok1)) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (!(h ? ok1 : ok0)) continue;
+          const i64 row = t.d_row + r + 8 * h;
+#pragma unroll
+          for (int i = 0; i < ACC / 4; ++i) {
+            const int col = n0 + 8 * i + (lane % 4) * 2;
+            if (col >= N) continue;
+            const float x = acc[4 * i + 2 * h], y = acc[4 * i + 2 * h + 1];
+            if constexpr (WGRAD) {
+              float* p = reinterpret_cast<float*>(d) + row * ld_d + col;
+              atomicAdd(p, x);
+              atomicAdd(p + 1, y);
+            } else {
+              *reinterpret_cast<u32*>(reinterpret_cast<u16*>(d) + row * ld_d + col) = f32x2_to_bf16x2(x, y);
+            }
+          }
+        }
+        continue;
+      }
+    }
+    tma_store_chunks<CHUNKS, CH, WGRAD>(&tm_d, d_smem, CHUNK_BYTES, chunk_seq, n0, t.d_row + r0, tid, 1 + c,
+                                        [&](int j, u8* buf) {
+                                          if constexpr (WGRAD) {
+                                            f32_chunk<CH>(acc, j, buf, warp, lane);
+                                          } else {
+                                            stmatrix_chunk<CH>(acc, j, buf, warp, lane, [](float a, float b) {
+                                              return f32x2_to_bf16x2(a, b);
+                                            });
+                                          }
+                                        });
   }
   if (tid == 0) bulk_wait<0>();
 }

@@ -156,3 +156,173 @@ def test_gemm_fp8_cluster_pairs(rng, forced_multicast, mode, shape):
     ck.gemm_fp8(DeviceArray.from_numpy(a), sa_dev, DeviceArray.from_numpy(b), DeviceArray.from_numpy(sb), out)
     _check(out, ref)
     assert mode in {p.cfg.mcast for p in f._plans.values()}  # the forced pairing really ran
+
+
+# ---- grouped layouts and the weight gradient: CPU --------------------------------------------------------------
+
+def test_grouped_configs():
+    for g_, rows, n, k in f.BENCH_SHAPES["contiguous"]:
+        cfg = f.pick_config(g_ * rows, n, k, H100, f.CONTIGUOUS, g_)
+        assert cfg.mcast != g.MCAST_SHARE_B  # tiles paired along M could belong to two experts
+        assert f.pick_config(g_ * rows, n, k, H100, f.CONTIGUOUS, g_, max_bm=64).bm == 64
+    for g_, rows, n, k in f.BENCH_SHAPES["masked"]:
+        cfg = f.pick_config(rows, n, k, H100, f.MASKED, g_)
+        assert cfg.bm == (64 if rows <= 64 else 128)
+    for g_, tokens, m, n in f.BENCH_SHAPES["wgrad"]:
+        cfg = f.pick_config(m, n, g_ * tokens, H100, f.KGROUPED, g_)
+        # one more 1x128 scale column of B per stage, and fp32 output chunks
+        assert cfg.smem == f.smem_bytes(cfg.bm, cfg.bn, cfg.stages, f.KGROUPED) <= H100.smem_per_block_optin
+        assert f.smem_bytes(cfg.bm, cfg.bn, cfg.stages, f.KGROUPED) > f.smem_bytes(cfg.bm, cfg.bn, cfg.stages)
+
+
+def test_grouped_validation_before_launch():
+    m, n, k, groups = 256, 264, 512, 3
+    a, sa = fake((m, k), "e4m3"), fake((m, 4), "fp32", (1, m))
+    b, sb = fake((groups, n, k), "e4m3"), fake((groups, 3, 4), "fp32")
+    ids = fake((m,), "int32")
+    out = fake((m, n), "bf16")
+    with pytest.raises(ValueError, match="alignment must be 64 or 128"):
+        ck.gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, out, alignment=32)
+    with pytest.raises(TypeError, match="m_indices: dtype int64"):
+        ck.gemm_fp8_grouped_contiguous(a, sa, b, sb, fake((m,), "int64"), out)
+    with pytest.raises(ValueError, match=r"m_indices: expected shape \(256,\)"):
+        ck.gemm_fp8_grouped_contiguous(a, sa, b, sb, fake((m - 1,), "int32"), out)
+    with pytest.raises(ValueError, match="b: expected 3 dimensions"):
+        ck.gemm_fp8_grouped_contiguous(a, sa, fake((n, k), "e4m3"), sb, ids, out)
+    with pytest.raises(ValueError, match=r"sb: expected shape \(3, 3, 4\)"):
+        ck.gemm_fp8_grouped_contiguous(a, sa, b, fake((3, 2, 4), "fp32"), ids, out)
+    with pytest.raises(ValueError, match="groups must follow each other"):
+        ck.gemm_fp8_grouped_contiguous(a, sa, fake((groups, n, k), "e4m3", (2 * n * k, k, 1)), sb, ids, out)
+
+    ma, msa = fake((groups, 64, k), "e4m3"), fake((groups, 64, 4), "fp32")
+    with pytest.raises(ValueError, match=r"masked_m: expected shape \(3,\)"):
+        ck.gemm_fp8_grouped_masked(ma, msa, b, sb, fake((2,), "int32"), fake((groups, 64, n), "bf16"))
+    with pytest.raises(ValueError, match=r"out: expected shape \(3, 64, 264\)"):
+        ck.gemm_fp8_grouped_masked(ma, msa, b, sb, fake((3,), "int32"), fake((groups, 64, n + 8), "bf16"))
+    with pytest.raises(ValueError, match=r"b: expected 3 groups"):
+        ck.gemm_fp8_grouped_masked(ma, msa, fake((2, n, k), "e4m3"), sb, fake((3,), "int32"))
+
+    wa, wsa, wb, wsb = fake((m, k), "e4m3"), fake((m, 4), "fp32"), fake((n, k), "e4m3"), fake((n, 4), "fp32")
+    d = fake((2, m, n), "fp32")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ck.gemm_fp8_wgrad(wa, wsa, wb, wsb, d, [448, 64])
+    with pytest.raises(ValueError, match="ks sums to 384"):
+        ck.gemm_fp8_wgrad(wa, wsa, wb, wsb, d, [256, 128])
+    with pytest.raises(TypeError, match="d: dtype bfloat16"):
+        ck.gemm_fp8_wgrad(wa, wsa, wb, wsb, fake((2, m, n), "bf16"), [256, 256])
+    with pytest.raises(ValueError, match=r"d: expected shape \(3, 256, 264\)"):
+        ck.gemm_fp8_wgrad(wa, wsa, wb, wsb, d, [256, 0, 256])
+    with pytest.raises(ValueError, match=r"sb: expected shape \(264, 4\)"):
+        ck.gemm_fp8_wgrad(wa, wsa, wb, fake((3, 4), "fp32"), d, [256, 256])
+
+
+# ---- grouped layouts and the weight gradient: GPU --------------------------------------------------------------
+
+def _e4m3(rng, shape):
+    return np.clip(rng.standard_normal(shape) * 64, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+
+
+def _scales(rng, shape):
+    return (rng.uniform(0.5, 2.0, shape) / 448).astype(np.float32)
+
+
+def _deq_rows(x, s):
+    """x [R, K] e4m3 with one scale per 1x128 group of a row."""
+    return x.astype(np.float64) * np.repeat(s.astype(np.float64), 128, axis=-1)[..., :x.shape[-1]]
+
+
+def _deq_blocks(x, s):
+    """x [N, K] e4m3 with one scale per 128x128 block."""
+    n, k = x.shape
+    return x.astype(np.float64) * np.repeat(np.repeat(s.astype(np.float64), 128, axis=0), 128, axis=1)[:n, :k]
+
+
+def _rel_err(got, ref):
+    return np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("alignment", [128, 64])
+@pytest.mark.parametrize("nk", [(264, 1040), (2112, 512)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_A])
+def test_grouped_contiguous(rng, forced_multicast, alignment, nk, mode):
+    forced_multicast(mode)
+    n, k = nk
+    tokens = [100, 0, 257, alignment, 1]  # per expert; each segment padded to `alignment` rows
+    ids = []
+    for e, t in enumerate(tokens):
+        ids += [e] * t + [-1] * (-t % alignment)
+    ids += [-1] * 2 * alignment  # tiles of padding only: skipped, never written
+    ids = np.array(ids, np.int32)
+    m, groups = len(ids), len(tokens)
+    a, sa = _e4m3(rng, (m, k)), _scales(rng, (m, -(-k // 128)))
+    b, sb = _e4m3(rng, (groups, n, k)), _scales(rng, (groups, -(-n // 128), -(-k // 128)))
+    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
+    sa_dev, keep = _mmajor(sa)
+    ck.gemm_fp8_grouped_contiguous(DeviceArray.from_numpy(a), sa_dev, DeviceArray.from_numpy(b),
+                                   DeviceArray.from_numpy(sb), DeviceArray.from_numpy(ids), out,
+                                   alignment=alignment)
+    got = out.numpy().astype(np.float64)
+    for e in range(groups):
+        rows = ids == e
+        ref = _deq_rows(a[rows], sa[rows]) @ _deq_blocks(b[e], sb[e]).T
+        assert np.isfinite(got[rows]).all(), f"expert {e}: rows not written"
+        assert _rel_err(got[rows], ref) <= 5e-3, e
+    assert np.isnan(got[ids < 0]).all(), "a padding row was written"
+    assert any(p.cfg.bm == min(alignment, 128) for p in f._plans.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(3, 200, 264, 1040), (4, 64, 2112, 512), (2, 384, 136, 256)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_B, g.MCAST_SHARE_A])
+def test_grouped_masked(rng, forced_multicast, shape, mode):
+    forced_multicast(mode)
+    groups, m, n, k = shape
+    masked = rng.integers(0, m + 1, groups).astype(np.int32)
+    masked[0], masked[-1] = 0, m + 5  # an empty group, and a count above M (means M)
+    a, sa = _e4m3(rng, (groups, m, k)), _scales(rng, (groups, m, -(-k // 128)))
+    b, sb = _e4m3(rng, (groups, n, k)), _scales(rng, (groups, -(-n // 128), -(-k // 128)))
+    out = DeviceArray.empty((groups, m, n), "bf16").fill_bytes(0xFF)
+    ck.gemm_fp8_grouped_masked(DeviceArray.from_numpy(a), DeviceArray.from_numpy(sa), DeviceArray.from_numpy(b),
+                               DeviceArray.from_numpy(sb), DeviceArray.from_numpy(masked), out)
+    got = out.numpy().astype(np.float64)
+    for e in range(groups):
+        rows = min(int(masked[e]), m)
+        assert np.isnan(got[e, rows:]).all(), f"group {e}: a masked row was written"
+        if rows:
+            ref = _deq_rows(a[e, :rows], sa[e, :rows]) @ _deq_blocks(b[e], sb[e]).T
+            assert np.isfinite(got[e, :rows]).all(), f"group {e}: rows not written"
+            assert _rel_err(got[e, :rows], ref) <= 5e-3, e
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mnks", [(200, 264, (256, 0, 128, 384)), (256, 2112, (512, 1024)), (72, 16, (128,))],
+                         ids=lambda s: f"{s[0]}x{s[1]}x{'-'.join(map(str, s[2]))}")
+@pytest.mark.parametrize("scales", ["mmajor", "rowmajor"])
+@pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_B])
+def test_wgrad_accumulates(rng, forced_multicast, mnks, scales, mode):
+    forced_multicast(mode)
+    m, n, ks = mnks
+    k = sum(ks)
+    a, sa = _e4m3(rng, (m, k)), _scales(rng, (m, k // 128))
+    b, sb = _e4m3(rng, (n, k)), _scales(rng, (n, k // 128))
+    d0 = rng.standard_normal((len(ks), m, n)).astype(np.float32)
+    d = DeviceArray.from_numpy(d0)
+    if scales == "mmajor":
+        (sa_dev, keep_a), (sb_dev, keep_b) = _mmajor(sa), _mmajor(sb)
+    else:
+        sa_dev, sb_dev = DeviceArray.from_numpy(sa), DeviceArray.from_numpy(sb)
+    args = (DeviceArray.from_numpy(a), sa_dev, DeviceArray.from_numpy(b), sb_dev, d, ks)
+    ck.gemm_fp8_wgrad(*args)
+    ck.gemm_fp8_wgrad(*args)  # D += twice
+    got = (d.numpy().astype(np.float64) - d0) / 2
+    da, db = _deq_rows(a, sa), _deq_rows(b, sb)
+    start = 0
+    for e, ke in enumerate(ks):
+        ref = da[:, start:start + ke] @ db[:, start:start + ke].T
+        if ke == 0:
+            assert (got[e] == 0).all(), "a group without tokens changed D"
+        else:
+            assert _rel_err(got[e], ref) <= 5e-3, e
+        start += ke

@@ -1,10 +1,14 @@
-"""FP8 block-scaled GEMM (the DeepGEMM recipe): D[bf16] = (A[e4m3] * sA) @ (B[e4m3] * sB)^T, with sA one fp32
+"""FP8 block-scaled GEMMs (the DeepGEMM recipe): D[bf16] = (A[e4m3] * sA) @ (B[e4m3] * sB)^T, with sA one fp32
 scale per 1x128 group of A's rows ([M, ceil(K/128)]) and sB one per 128x128 block of B ([ceil(N/128), ceil(K/128)]),
-exactly what `quantize_fp8_per_token` and `quantize_fp8_per_block` produce."""
+exactly what `quantize_fp8_per_token` and `quantize_fp8_per_block` produce; the MoE grouped forms (contiguous
+rows per expert, masked per-expert batches) and the K-grouped weight gradient with 1x128 scales on both sides,
+accumulated into an fp32 D. One kernel, ptx/gemm_fp8.cu, compiled per layout."""
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..runtime import dtypes as dt
 from ..runtime.driver import DeviceProperties, device_properties, stream_handle
@@ -17,7 +21,10 @@ BK = 128                 # k per stage: 128 e4m3 bytes, one scale block
 MAX_BN = 192             # two fp32 accumulator sets (scratch and result) must fit the consumer's registers
 MAX_STAGES = 12
 ALIGN_SLACK = 1024
-_ARGS = ("tmap", "tmap", "tmap", "tmap", "ptr", "i64", "i64", "i32", "i32", "i32", "i32")
+_ARGS = ("tmap", "tmap", "tmap", "tmap", "tmap", "ptr", "i64", "i64", "i64", "ptr", "ptr", "i64", "i32", "i32",
+         "i32", "i32", "i32")
+# ptx/gemm_fp8.cu LAYOUT values
+NORMAL, CONTIGUOUS, MASKED, KGROUPED = "LAYOUT_NORMAL", "LAYOUT_CONTIGUOUS", "LAYOUT_MASKED", "LAYOUT_KGROUPED"
 _CONVERT_ARGS = ("ptr", "i64", "i64", "ptr", "i64", "i32", "i32")
 _CONVERT_THREADS = 256
 
@@ -30,6 +37,7 @@ class Fp8Config:
     smem: int                      # dynamic shared memory bytes, alignment slack included
     mcast: int = _gemm.MCAST_NONE  # 2-CTA pairs along M (sharing B) or along N (sharing A)
     group_m: int = 1               # cluster-tile rows per group of the tile order
+    layout: str = NORMAL
 
     @property
     def threads(self) -> int:
@@ -40,52 +48,87 @@ class Fp8Config:
         return 2 if self.mcast else 1
 
 
-def _chunk(bn: int) -> int:
-    """bf16 output columns per epilogue chunk (ptx/gemm_fp8.cu CH)."""
-    return 64 if bn % 64 == 0 else 32 if bn % 32 == 0 else 16
+def _out_bytes(layout: str) -> int:
+    return 4 if layout == KGROUPED else 2
 
 
-def smem_bytes(bm: int, bn: int, stages: int) -> int:
-    """Mirror of ptx/gemm_fp8.cu's layout: A, B and sA stages, the output chunks from a 1024-byte boundary, two
-    barriers per stage, alignment slack."""
-    stages_end = stages * (bm * BK + bn * BK + bm * 4)
+def _chunk(bn: int, out_bytes: int = 2) -> int:
+    """Output columns per epilogue chunk (ptx/gemm_fp8.cu CH): rows of at most 128 bytes."""
+    top = 128 // out_bytes
+    return top if bn % top == 0 else 32 if bn % 32 == 0 else 16
+
+
+def smem_bytes(bm: int, bn: int, stages: int, layout: str = NORMAL) -> int:
+    """Mirror of ptx/gemm_fp8.cu's layout: A, B, sA (and for the weight gradient sB) stages, the output chunks from
+    a 1024-byte boundary, two barriers per stage, alignment slack."""
+    sb = bn * 4 if layout == KGROUPED else 0
+    stages_end = stages * (bm * BK + bn * BK + bm * 4 + sb)
     d = -(-stages_end // 1024) * 1024
-    return d + (bm // 64) * 2 * 64 * _chunk(bn) * 2 + 16 * stages + ALIGN_SLACK
+    ob = _out_bytes(layout)
+    return d + (bm // 64) * 2 * 64 * _chunk(bn, ob) * ob + 16 * stages + ALIGN_SLACK
 
 
-def max_stages(bm: int, bn: int, budget: int) -> int:
+def max_stages(bm: int, bn: int, budget: int, layout: str = NORMAL) -> int:
     s = MAX_STAGES
-    while s > 0 and smem_bytes(bm, bn, s) > budget:
+    while s > 0 and smem_bytes(bm, bn, s, layout) > budget:
         s -= 1
     return s
 
 
-def pick_config(m: int, n: int, k: int, props: DeviceProperties) -> Fp8Config:
-    """BM 64 for M <= 64 (one consumer warpgroup), else 128; BN a multiple of 16 up to MAX_BN (or N rounded up to
-    16 when smaller) with the fewest waves, then the fullest last wave, then the widest; stages fill the shared
-    memory budget; 2-CTA multicast and the tile order as for the BF16 GEMM."""
-    bm = 64 if m <= 64 else 128
+def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = NORMAL, groups: int = 1,
+                max_bm: int = 128) -> Fp8Config:
+    """BM 64 for M <= 64 (one consumer warpgroup), else 128 (at most `max_bm`: contiguous groups aligned to 64
+    rows need 64); BN a multiple of 16 up to MAX_BN (or N rounded up to 16 when smaller) with the fewest waves,
+    then the fullest last wave, then the widest; stages fill the shared-memory budget; 2-CTA multicast and the
+    tile order as for the BF16 GEMM. For the masked and K-grouped layouts m is one group's rows and the waves
+    count all `groups` groups' tiles; tiles paired along M may not straddle two groups of the contiguous
+    layout, so it pairs along N only."""
+    bm = 64 if m <= 64 or max_bm == 64 else 128
+    per_group = layout in (MASKED, KGROUPED)
+    m_all = groups * -(-m // bm) * bm if per_group else m  # rows that the tile count sees
     budget = props.smem_per_block_optin
     top = min(MAX_BN, max(16, -(-n // 16) * 16))
-    cands = [b for b in range(16, top + 1, 16) if max_stages(bm, b, budget) >= 3]
-    bn = _gemm.fewest_waves_bn(m, n, bm, cands, props)
-    stages = max_stages(bm, bn, budget)
-    mcast = _gemm.pick_multicast(m, n, bm, bn, 1, False, props) if _gemm.MULTICAST else _gemm.MCAST_NONE
-    return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages), mcast,
-                     _gemm.group_rows(m, n, bm, bn, mcast, props))
+    cands = [b for b in range(16, top + 1, 16) if max_stages(bm, b, budget, layout) >= 3]
+    bn = _gemm.fewest_waves_bn(m_all, n, bm, cands, props)
+    stages = max_stages(bm, bn, budget, layout)
+    mcast = _gemm.pick_multicast(m_all, n, bm, bn, 1, False, props) if _gemm.MULTICAST else _gemm.MCAST_NONE
+    if layout == CONTIGUOUS and mcast == _gemm.MCAST_SHARE_B:
+        mcast = _gemm.MCAST_NONE
+    group_m = _gemm.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
+    return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout)
 
 
 def _defines(cfg: Fp8Config) -> dict:
     d = {"BM": cfg.bm, "BN": cfg.bn, "STAGES": cfg.stages}
     if cfg.mcast:
         d["MCAST"] = cfg.mcast
+    if cfg.layout != NORMAL:
+        d["LAYOUT"] = cfg.layout
     return d
 
 
 BENCH_SHAPES = {
     "normal": [(m, n, k) for m in (64, 128, 4096)
                for n, k in ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048))],
+    # (groups, rows per group, N, K)
+    "contiguous": [(g, rows, n, k) for g, rows in ((4, 8192), (8, 4096)) for n, k in ((4096, 7168), (7168, 2048))],
+    "masked": [(g, rows, n, k) for g, rows in ((1, 1024), (2, 512), (4, 256), (16, 64))
+               for n, k in ((4096, 7168), (7168, 2048))],
+    # (groups, tokens per group, M, N): D[g] [M, N] += over the group's tokens
+    "wgrad": [(8, 4096, 7168, 2048), (8, 4096, 2048, 7168), (4, 8192, 4096, 7168)],
 }
+
+
+def _bench_configs(props):
+    for m, n, k in BENCH_SHAPES["normal"]:
+        yield pick_config(m, n, k, props)
+    for g, rows, n, k in BENCH_SHAPES["contiguous"]:
+        yield pick_config(g * rows, n, k, props, CONTIGUOUS, g)
+        yield pick_config(g * rows, n, k, props, CONTIGUOUS, g, max_bm=64)
+    for g, rows, n, k in BENCH_SHAPES["masked"]:
+        yield pick_config(rows, n, k, props, MASKED, g)
+    for g, tokens, m, n in BENCH_SHAPES["wgrad"]:
+        yield pick_config(m, n, g * tokens, props, KGROUPED, g)
 
 
 def variants():
@@ -93,18 +136,41 @@ def variants():
     from ..runtime.driver import H100
 
     seen = {}
-    for m, n, k in BENCH_SHAPES["normal"]:
-        cfg = pick_config(m, n, k, H100)
+    for cfg in _bench_configs(H100):
         d = _defines(cfg)
         seen[tuple(sorted(d.items()))] = ("gemm_fp8.cu", "gemm_fp8_kernel", d, cfg.smem)
     return list(seen.values()) + [("fp8_scales.cu", "scales_to_mmajor", {}, 0)]
 
 
-_plans: dict = {}
+# ---- scales ---------------------------------------------------------------------------------------------------
+
+def _mmajor_ok(sv: DeviceArray, m: int) -> bool:
+    """Scales as [M, G] with unit stride along M, a column stride that keeps every column 16-byte aligned, and an
+    aligned base: the kernel loads them with TMA as they are."""
+    g = sv.shape[1]
+    return ((sv.strides[0] == 1 or m == 1) and (g == 1 or (sv.strides[1] >= m and sv.strides[1] % 4 == 0))
+            and sv.ptr % 16 == 0)
+
+
+@dataclass(frozen=True)
+class _MMajor:
+    """How a kernel gets [rows, G] scales M-major: in place (convert None) or through a copy of leading
+    dimension `ld` made by `convert` (one extra launch)."""
+    ld: int
+    convert: object
+    grid: tuple
+
+
+def _mmajor_plan(sv: DeviceArray, device: int) -> _MMajor:
+    rows, groups = sv.shape
+    if _mmajor_ok(sv, rows):
+        return _MMajor(sv.strides[1] if groups > 1 else mmajor_stride(rows), None, ())
+    convert = get_launcher("fp8_scales.cu", "scales_to_mmajor", {}, device, _CONVERT_ARGS, (_CONVERT_THREADS,))
+    return _MMajor(mmajor_stride(rows), convert, (-(-rows * groups // _CONVERT_THREADS), 1, 1))
 
 
 class _ScaleBuffer:
-    """M-major copy of row-major A scales, per (device, stream); grown on demand."""
+    """Scratch for M-major copies of scales, per (device, stream, role); grown on demand."""
 
     def __init__(self):
         self.buf = None
@@ -119,6 +185,67 @@ _scale_buffers: dict = {}
 _buf_lock = threading.Lock()
 
 
+def _mmajor_ptr(mm: _MMajor, sv: DeviceArray, role: str, h: int, stream) -> int:
+    if mm.convert is None:
+        return sv.ptr
+    rows, groups = sv.shape
+    with _buf_lock:
+        holder = _scale_buffers.setdefault((sv.device, h, role), _ScaleBuffer())
+    buf = holder.get(mm.ld * groups, sv.device, stream)
+    mm.convert(mm.grid, h, sv.ptr, sv.strides[0], sv.strides[1], buf.ptr, mm.ld, rows, groups)
+    return buf.ptr
+
+
+# ---- validation helpers ---------------------------------------------------------------------------------------
+
+def _flatten(v: DeviceArray, name: str) -> DeviceArray:
+    """[G, R, C] -> the [G * R, C] view the kernel's 2D tensor maps read (G's stride must be R rows)."""
+    g, r, c = v.shape
+    if g > 1 and r > 0 and v.strides[0] != r * v.strides[1]:
+        raise ValueError(f"{name}: the groups must follow each other in memory (stride of dimension 0 = rows x "
+                         f"stride of dimension 1), got shape {v.shape} strides {v.strides}")
+    return DeviceArray(v.ptr, (g * r, c), v.dtype, (v.strides[1], v.strides[2]), v.device, v.stream, v)
+
+
+def _same_device(av, **others):
+    for name, x in others.items():
+        if x.device != av.device:
+            raise ValueError(f"{name} is on cuda:{x.device} but a is on cuda:{av.device}")
+
+
+def _check_scales(v: DeviceArray, name: str, shape: tuple) -> None:
+    require(v, name, dtypes=(dt.float32,), ndim=len(shape), shape=shape, row_contiguous=False, align=4,
+            row_align=0)
+    if min(v.strides, default=0) < 0:
+        raise ValueError(f"{name}: strides must not be negative")
+
+
+def _check_operands(av, sav, bv, sbv, b_groups: int | None):
+    """a [.., K] e4m3, b [N, K] or [G, N, K] e4m3, and their scales (sb per 128x128 block); returns (N, K)."""
+    require(av, "a", dtypes=(dt.float8_e4m3,))
+    require(bv, "b", dtypes=(dt.float8_e4m3,), ndim=2 if b_groups is None else 3)
+    k = av.shape[-1]
+    n = bv.shape[-2]
+    if bv.shape[-1] != k:
+        raise ValueError(f"a has K = {k} but b is {bv.shape}: K differs")
+    if k == 0:
+        raise ValueError("K must be at least 1")
+    if b_groups is not None and bv.shape[0] != b_groups:
+        raise ValueError(f"b: expected {b_groups} groups, got shape {bv.shape}")
+    kb = -(-k // 128)
+    _check_scales(sav, "sa", av.shape[:-1] + (kb,))
+    _check_scales(sbv, "sb", ((b_groups,) if b_groups is not None else ()) + (-(-n // 128), kb))
+    return n, k
+
+
+def _check_group_ids(v: DeviceArray, name: str, n: int) -> None:
+    require(v, name, dtypes=(dt.int32,), ndim=1, shape=(n,), align=4, row_align=0)
+    if n > 1 and v.strides[0] != 1:
+        raise ValueError(f"{name}: must be contiguous, got stride {v.strides[0]}")
+
+
+# ---- plans and launch -----------------------------------------------------------------------------------------
+
 @dataclass(frozen=True)
 class _Plan:
     cfg: Fp8Config
@@ -127,67 +254,74 @@ class _Plan:
     map_a: tuple
     map_b: tuple
     map_sa: tuple
+    map_sb: tuple   # KGROUPED: B's scales; otherwise None (the sA map is passed in its place, unused)
     map_d: tuple
-    convert: object  # launcher of the scale conversion, or None when sA is already M-major and TMA-aligned
-    convert_grid: tuple
+    sa: _MMajor
+    sb: _MMajor     # KGROUPED only
+    args: tuple     # M, N, K, groups as the kernel takes them
 
 
-def _mmajor_ok(sv: DeviceArray, m: int) -> bool:
-    """sA as [M, G] with unit stride along M, a column stride that keeps every column 16-byte aligned, and an
-    aligned base: the kernel loads it with TMA as is."""
-    g = sv.shape[1]
-    return ((sv.strides[0] == 1 or m == 1) and (g == 1 or (sv.strides[1] >= m and sv.strides[1] % 4 == 0))
-            and sv.ptr % 16 == 0)
+_plans: dict = {}
+_plans_lock = threading.Lock()
 
 
-def _validate(av, sav, bv, sbv, dv):
-    require(av, "a", dtypes=(dt.float8_e4m3,), ndim=2)
-    require(bv, "b", dtypes=(dt.float8_e4m3,), ndim=2)
-    m, k = av.shape
-    n, kb = bv.shape
-    if kb != k:
-        raise ValueError(f"a is [M, K] = {av.shape} but b is [N, K] = {bv.shape}: K differs")
-    if k == 0:
-        raise ValueError("K must be at least 1")
-    groups = -(-k // 128)
-    require(sav, "sa", dtypes=(dt.float32,), ndim=2, shape=(m, groups), row_contiguous=False, align=4,
-            row_align=0)
-    require(sbv, "sb", dtypes=(dt.float32,), ndim=2, shape=(-(-n // 128), groups), row_contiguous=False, align=4,
-            row_align=0)
-    if min(sav.strides) < 0 or min(sbv.strides) < 0:
-        raise ValueError("sa and sb: strides must not be negative")
-    require(dv, "out", dtypes=(dt.bfloat16,), ndim=2, shape=(m, n))
-    for name, x in (("sa", sav), ("b", bv), ("sb", sbv), ("out", dv)):
-        if x.device != av.device:
-            raise ValueError(f"{name} is on cuda:{x.device} but a is on cuda:{av.device}")
-
-
-def _plan(av, sav, bv, sbv, dv, props) -> _Plan:
-    _validate(av, sav, bv, sbv, dv)
-    m, k = av.shape
-    n = bv.shape[0]
-    cfg = pick_config(m, n, k, props)
+def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, props) -> _Plan:
+    """av / bv / sav / dv are the 2D views the maps read; m, n, k, groups the kernel's arguments."""
+    cfg = pick_config(m, n, k, props, layout, groups, max_bm)
     launch = get_launcher("gemm_fp8.cu", "gemm_fp8_kernel", _defines(cfg), av.device, _ARGS, (cfg.threads,),
                           cfg.smem, cluster=(cfg.cluster, 1, 1) if cfg.mcast else None)
-    grid = _gemm.persistent_grid(launch, m, n, cfg.bm, cfg.bn, cfg.mcast, 1, cfg.smem, props)
-    groups = -(-k // 128)
-    a_rows = cfg.bm // 2 if cfg.mcast == _gemm.MCAST_SHARE_A else cfg.bm
-    b_rows = cfg.bn // 2 if cfg.mcast == _gemm.MCAST_SHARE_B else cfg.bn
-    map_a = (dt.float8_e4m3, (k, m), (av.strides[0],), (BK, a_rows), 128)
-    map_b = (dt.float8_e4m3, (k, n), (bv.strides[0],), (BK, b_rows), 128)
-    convert, convert_grid = None, ()
-    if _mmajor_ok(sav, m):
-        ld_sa = sav.strides[1] if groups > 1 else mmajor_stride(m)
-    else:
-        ld_sa = mmajor_stride(m)
-        convert = get_launcher("fp8_scales.cu", "scales_to_mmajor", {}, av.device, _CONVERT_ARGS,
-                               (_CONVERT_THREADS,))
-        convert_grid = (-(-m * groups // _CONVERT_THREADS), 1, 1)
-    map_sa = (dt.float32, (m, groups), (ld_sa * 4,), (cfg.bm, 1), 0)
-    ch = _chunk(cfg.bn)
-    map_d = (dt.bfloat16, (n, m), (dv.strides[0] * 2,), (ch, 64), ch * 2)
-    return _Plan(cfg, launch, grid, map_a, map_b, map_sa, map_d, convert, convert_grid)
+    m_all = groups * -(-m // cfg.bm) * cfg.bm if layout in (MASKED, KGROUPED) else m
+    grid = _gemm.persistent_grid(launch, m_all, n, cfg.bm, cfg.bn, cfg.mcast, 1, cfg.smem, props)
+    kb = -(-k // 128)
+    a_box = cfg.bm // 2 if cfg.mcast == _gemm.MCAST_SHARE_A else cfg.bm
+    b_box = cfg.bn // 2 if cfg.mcast == _gemm.MCAST_SHARE_B else cfg.bn
+    map_a = (dt.float8_e4m3, (k, av.shape[0]), (av.strides[0],), (BK, a_box), 128)
+    map_b = (dt.float8_e4m3, (k, bv.shape[0]), (bv.strides[0],), (BK, b_box), 128)
+    sa = _mmajor_plan(sav, av.device)
+    map_sa = (dt.float32, (sav.shape[0], kb), (sa.ld * 4,), (cfg.bm, 1), 0)
+    sb = map_sb = None
+    if layout == KGROUPED:
+        sb = _mmajor_plan(sbv, av.device)
+        map_sb = (dt.float32, (n, kb), (sb.ld * 4,), (cfg.bn, 1), 0)
+    ob = _out_bytes(layout)
+    ch = _chunk(cfg.bn, ob)
+    map_d = (dt.float32 if ob == 4 else dt.bfloat16, (n, dv.shape[0]), (dv.strides[0] * ob,), (ch, 64), ch * ob)
+    return _Plan(cfg, launch, grid, map_a, map_b, map_sa, map_sb, map_d, sa, sb, (m, n, k, groups))
 
+
+def _run(layout, av, sav, bv, sbv, dv, sb_strides, info_ptr, m, n, k, groups, max_bm, extra_key, h, stream):
+    key = (layout, extra_key, max_bm, m, n, k, groups) + tuple(
+        (x.shape, x.strides, x.dtype, x.ptr & 15, x.device) for x in (av, sav, bv, sbv, dv))
+    plan = _plans.get(key)
+    if plan is None:
+        with _plans_lock:
+            if len(_plans) > 1024:
+                _plans.clear()
+        plan = _plans[key] = _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm,
+                                        device_properties(av.device))
+    sa_ptr = _mmajor_ptr(plan.sa, sav, "sa", h, stream)
+    maps = _gemm._local.maps  # the GEMM module's per-thread tensor-map cache
+    map_sa = maps.get("sa", plan.map_sa, sa_ptr)
+    if plan.sb is not None:
+        map_sb = maps.get("sb8", plan.map_sb, _mmajor_ptr(plan.sb, sbv, "sb", h, stream))
+    else:
+        map_sb = map_sa
+    plan.launch(plan.grid, h, maps.get("a8", plan.map_a, av.ptr), maps.get("b8", plan.map_b, bv.ptr), map_sa,
+                map_sb, maps.get("d8", plan.map_d, dv.ptr), sbv.ptr, *sb_strides, info_ptr, dv.ptr,
+                dv.strides[0], *plan.args, plan.cfg.group_m)
+
+
+def _output(out, shape, dtype, device, h, stream) -> DeviceArray:
+    if out is None:
+        return DeviceArray.empty(shape, dtype, device, stream)
+    dv = as_array(out, h)
+    require(dv, "out", dtypes=(dtype,), ndim=len(shape), shape=shape)
+    if dv.device != device:
+        raise ValueError(f"out is on cuda:{dv.device} but a is on cuda:{device}")
+    return dv
+
+
+# ---- public ops -----------------------------------------------------------------------------------------------
 
 def gemm_fp8(a, sa, b, sb, out=None, *, stream=None):
     """D = (A * sA) @ (B * sB)^T in bf16.
@@ -203,34 +337,116 @@ def gemm_fp8(a, sa, b, sb, out=None, *, stream=None):
     """
     h = stream_handle(stream)
     av, sav, bv, sbv = (as_array(x, h) for x in (a, sa, b, sb))
-    if out is None:
-        require(av, "a", dtypes=(dt.float8_e4m3,), ndim=2)
-        require(bv, "b", dtypes=(dt.float8_e4m3,), ndim=2)
-        dv = DeviceArray.empty((av.shape[0], bv.shape[0]), dt.bfloat16, av.device, stream)
-    else:
-        dv = as_array(out, h)
-    key = tuple((x.shape, x.strides, x.dtype, x.ptr & 15, x.device) for x in (av, sav, bv, sbv, dv))
-    plan = _plans.get(key)
-    if plan is None:
-        if len(_plans) > 1024:
-            _plans.clear()
-        _validate(av, sav, bv, sbv, dv)
-        if dv.shape[0] == 0 or dv.shape[1] == 0:
-            return dv if out is None else out
-        plan = _plans[key] = _plan(av, sav, bv, sbv, dv, device_properties(av.device))
+    require(av, "a", dtypes=(dt.float8_e4m3,), ndim=2)
+    n, k = _check_operands(av, sav, bv, sbv, None)
+    m = av.shape[0]
+    _same_device(av, sa=sav, b=bv, sb=sbv)
+    dv = _output(out, (m, n), dt.bfloat16, av.device, h, stream)
+    if m and n:
+        _run(NORMAL, av, sav, bv, sbv, dv, (0, sbv.strides[0], sbv.strides[1]), 0, m, n, k, 1, 128, None, h,
+             stream)
+    return dv if out is None else out
+
+
+def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment: int = 128, stream=None):
+    """MoE prefill: the rows of A are the experts' tokens back to back; row m is multiplied by expert
+    m_indices[m]'s weights: D[m] = (A[m] * sA[m]) @ (B[g] * sB[g])^T, bf16.
+
+    a: [M, K] e4m3, sa: [M, ceil(K/128)] fp32, b: [G, N, K] e4m3, sb: [G, ceil(N/128), ceil(K/128)] fp32,
+    m_indices: [M] int32 on the GPU, the expert of each row or -1 for a padding row; out: [M, N] bf16.
+    Each expert's segment must start at a multiple of `alignment` rows (128, or 64; 64 runs 64-row tiles), the
+    padding rows of a segment after its tokens. Tiles of padding rows only are skipped entirely (no loads, no
+    math, no writes); padding rows are never written. Scales as for `gemm_fp8`. Not checked on the host (it would
+    need a device sync): a segment that starts off the alignment leaves the rows of its first tile that belong
+    to it unwritten.
+    """
+    if alignment not in (64, 128):
+        raise ValueError(f"alignment must be 64 or 128 rows, got {alignment}")
+    h = stream_handle(stream)
+    av, sav, bv, sbv, iv = (as_array(x, h) for x in (a, sa, b, sb, m_indices))
+    require(av, "a", dtypes=(dt.float8_e4m3,), ndim=2)
+    require(bv, "b", dtypes=(dt.float8_e4m3,), ndim=3)
+    groups = bv.shape[0]
+    n, k = _check_operands(av, sav, bv, sbv, groups)
+    m = av.shape[0]
+    _check_group_ids(iv, "m_indices", m)
+    _same_device(av, sa=sav, b=bv, sb=sbv, m_indices=iv)
+    dv = _output(out, (m, n), dt.bfloat16, av.device, h, stream)
+    if m and n and groups:
+        _run(CONTIGUOUS, av, sav, _flatten(bv, "b"), sbv, dv, sbv.strides, iv.ptr, m, n, k, groups, alignment,
+             None, h, stream)
+    return dv if out is None else out
+
+
+def gemm_fp8_grouped_masked(a, sa, b, sb, masked_m, out=None, *, stream=None):
+    """MoE decode: G independent GEMMs of which only the first masked_m[g] rows count:
+    D[g, :masked_m[g]] = (A[g] * sA[g]) @ (B[g] * sB[g])^T for those rows, bf16.
+
+    a: [G, M, K] e4m3, sa: [G, M, ceil(K/128)] fp32, b: [G, N, K] e4m3, sb: [G, ceil(N/128), ceil(K/128)] fp32,
+    masked_m: [G] int32 on the GPU (read by the kernel: no host sync, CUDA-graph friendly; values above M count as
+    M), out: [G, M, N] bf16. Rows from masked_m[g] on are neither computed (whole tiles skipped) nor written. The
+    groups of a, sa (as [G * M, ...]) and out must follow each other in memory.
+    """
+    h = stream_handle(stream)
+    av, sav, bv, sbv, iv = (as_array(x, h) for x in (a, sa, b, sb, masked_m))
+    require(av, "a", dtypes=(dt.float8_e4m3,), ndim=3)
+    require(bv, "b", dtypes=(dt.float8_e4m3,), ndim=3)
+    groups, m, _ = av.shape
+    n, k = _check_operands(av, sav, bv, sbv, groups)
+    _check_group_ids(iv, "masked_m", groups)
+    _same_device(av, sa=sav, b=bv, sb=sbv, masked_m=iv)
+    dv = _output(out, (groups, m, n), dt.bfloat16, av.device, h, stream)
+    if m and n and groups:
+        _run(MASKED, _flatten(av, "a"), _flatten(sav, "sa"), _flatten(bv, "b"), sbv, _flatten(dv, "out"),
+             sbv.strides, iv.ptr, m, n, k, groups, 128, None, h, stream)
+    return dv if out is None else out
+
+
+_offsets: dict = {}
+
+
+def _k_offsets(ks: tuple, device: int, stream) -> DeviceArray:
+    key = (ks, device)
+    v = _offsets.get(key)
+    if v is None:
+        if len(_offsets) > 256:
+            _offsets.clear()
+        v = _offsets[key] = DeviceArray.from_numpy(np.concatenate([[0], np.cumsum(ks)]).astype(np.int32),
+                                                   dt.int32, device, stream)
+    return v
+
+
+def gemm_fp8_wgrad(a, sa, b, sb, d, ks, *, stream=None):
+    """K-grouped weight gradient, accumulated: D[g] += (A_g * sA_g) @ (B_g * sB_g)^T in fp32 for each group g,
+    where group g owns the columns ks[0] + ... + ks[g-1] onwards (ks[g] of them) of A and B: for MoE backward,
+    A = dY^T and B = X^T with each expert's tokens along K.
+
+    a: [M, K] e4m3 and b: [N, K] e4m3 (K = sum(ks), the tokens), sa: [M, K/128] and sb: [N, K/128] fp32, one
+    scale per 1x128 group of a row on both sides (as `quantize_fp8_per_token` makes them from dY^T and X^T);
+    d: [G, M, N] fp32, added to (D += ..., through TMA reduce-add: run it twice and D holds twice the product).
+    ks: the host list of tokens per group, each a multiple of 128 (a group may have none). Scales are read in
+    place when M-major with 16-byte aligned columns, else copied first (one extra launch each).
+    """
+    ks = tuple(int(x) for x in ks)
+    if any(x < 0 or x % 128 for x in ks):
+        raise ValueError(f"ks: each group's K must be a non-negative multiple of 128, got {ks}")
+    h = stream_handle(stream)
+    av, sav, bv, sbv, dv = (as_array(x, h) for x in (a, sa, b, sb, d))
+    require(av, "a", dtypes=(dt.float8_e4m3,), ndim=2)
+    require(bv, "b", dtypes=(dt.float8_e4m3,), ndim=2)
     m, k = av.shape
     n = bv.shape[0]
-    sa_ptr = sav.ptr
-    if plan.convert is not None:
-        groups = -(-k // 128)
-        ld = mmajor_stride(m)
-        with _buf_lock:
-            sb_buf = _scale_buffers.setdefault((av.device, h), _ScaleBuffer())
-        buf = sb_buf.get(ld * groups, av.device, stream)
-        plan.convert(plan.convert_grid, h, sav.ptr, sav.strides[0], sav.strides[1], buf.ptr, ld, m, groups)
-        sa_ptr = buf.ptr
-    maps = _gemm._local.maps  # the GEMM module's per-thread tensor-map cache
-    plan.launch(plan.grid, h, maps.get("a8", plan.map_a, av.ptr), maps.get("b8", plan.map_b, bv.ptr),
-                maps.get("sa", plan.map_sa, sa_ptr), maps.get("d8", plan.map_d, dv.ptr), sbv.ptr,
-                sbv.strides[0], sbv.strides[1], m, n, k, plan.cfg.group_m)
-    return dv if out is None else out
+    if bv.shape[1] != k:
+        raise ValueError(f"a is [M, K] = {av.shape} but b is [N, K] = {bv.shape}: K differs")
+    if sum(ks) != k:
+        raise ValueError(f"ks sums to {sum(ks)} but A and B have K = {k}")
+    groups = len(ks)
+    _check_scales(sav, "sa", (m, k // 128))
+    _check_scales(sbv, "sb", (n, k // 128))
+    require(dv, "d", dtypes=(dt.float32,), ndim=3, shape=(groups, m, n))
+    _same_device(av, sa=sav, b=bv, sb=sbv, d=dv)
+    if m and n and groups and k:
+        offsets = _k_offsets(ks, av.device, stream)
+        _run(KGROUPED, av, sav, bv, sbv, _flatten(dv, "d"), (0, 0, 0), offsets.ptr, m, n, k, groups, 128, ks, h,
+             stream)
+    return d

@@ -57,6 +57,23 @@ __device__ __forceinline__ void stmatrix_chunk(const float* acc, int j, u8* buf,
                 pack(acc[4 * j + 2], acc[4 * j + 3]));
 }
 
+// As stmatrix_chunk for fp32 outputs: columns j*CH .. j*CH+CH-1 (CH * 4 bytes a row, the map's swizzle span) as
+// 8-byte pairs.
+template <int CH>
+__device__ __forceinline__ void f32_chunk(const float* acc, int j, u8* buf, int warp, int lane) {
+#pragma unroll
+  for (int g = 0; g < CH / 8; ++g) {
+    const int i = j * (CH / 8) + g;
+    const int col = g * 8 + (lane % 4) * 2;  // column within the chunk: granule col / 4, byte (col % 4) * 4
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = warp * 16 + lane / 4 + 8 * h;
+      *reinterpret_cast<u32x2*>(buf + swizzled_offset<CH * 4>(row, col / 4) + (col % 4) * 4) =
+          u32x2{__float_as_uint(acc[4 * i + 2 * h]), __float_as_uint(acc[4 * i + 2 * h + 1])};
+    }
+  }
+}
+
 // A consumer warpgroup's epilogue: its 64-row result goes to global memory in CHUNKS chunks of 64 x CH through two
 // alternating shared buffers of `chunk_bytes` at `bufs` (`seq` counts the chunks it ever issued and picks the
 // buffer). `write(j, buf)` fills chunk j; thread 0 then stores it with TMA at (col0 + j * CH, row0), or adds it

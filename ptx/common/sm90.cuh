@@ -226,3 +226,13 @@ __device__ __forceinline__ void regs_decrease() {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
 }
+
+// named_barrier that also returns whether `pred` holds in every participating thread.
+__device__ __forceinline__ bool named_barrier_all(int id, int threads, bool pred) {
+  u32 all;
+  asm volatile(
+      "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, %1, 0;\n\tbar.red.and.pred q, %2, %3, p;\n\t"
+      "selp.u32 %0, 1, 0, q;\n\t}"
+      : "=r"(all) : "r"(u32(pred)), "r"(id), "r"(threads) : "memory");
+  return all != 0;
+}
