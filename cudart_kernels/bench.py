@@ -323,6 +323,11 @@ def bench_gemm_fp8(quick: bool = False, device: int = 0) -> list[Row]:
         ours = graph_time_us(torch, lambda i, s: gemm_fp8(*ops[i], d[i], stream=s), sets, iters=iters)
         rows.append(Row("gemm_fp8", f"{m}x{n}x{k}", ours, gbytes=nbytes / 1e9, tflops=2 * m * n * k / 1e12,
                         peer="cuBLAS blockwise", peer_us=peer))
+        one = torch.ones((), device="cuda")
+        tensorwise = graph_time_us(torch, lambda i, s: torch._scaled_mm(
+            ops[i][0], ops[i][2].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), sets, iters=iters)
+        rows.append(Row("gemm_fp8_context", f"{m}x{n}x{k} cuBLAS FP8 per-tensor (context)", tensorwise,
+                        tflops=2 * m * n * k / 1e12))
         a16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         bf16 = graph_time_us(torch, lambda i, s: torch.matmul(a16, b16.t(), out=d[0]), 1, iters=iters)
@@ -331,4 +336,101 @@ def bench_gemm_fp8(quick: bool = False, device: int = 0) -> list[Row]:
     return rows
 
 
-BENCHES = {"quant": bench_quant, "gemm": bench_gemm, "gemm_fp8": bench_gemm_fp8}
+def _fp8_activations(torch, rows: int, k: int):
+    """Random [rows, k] quantized per 1x128 group (M-major scales), as torch tensors."""
+    from .ops.quantize import quantize_fp8_per_token
+
+    q, s = quantize_fp8_per_token(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
+    return torch.from_dlpack(q), torch.from_dlpack(s)
+
+
+def _fp8_weights(torch, groups: int, n: int, k: int):
+    """Random [groups, n, k] weights quantized per 128x128 block (n % 128 == 0: no block spans two groups)."""
+    from .ops.quantize import quantize_fp8_per_block
+
+    q, s = quantize_fp8_per_block(torch.randn(groups * n, k, device="cuda", dtype=torch.bfloat16) * 0.05)
+    return torch.from_dlpack(q).view(groups, n, k), torch.from_dlpack(s).view(groups, n // 128, -1)
+
+
+def _context_us(torch, run) -> float:
+    """A context peer's time, or 0 (no column) when torch rejects the call on this build."""
+    try:
+        return graph_time_us(torch, run)
+    except (RuntimeError, ValueError) as e:
+        print(f"context peer skipped: {str(e).splitlines()[0][:120]}")
+        return 0.0
+
+
+def bench_gemm_fp8_grouped(quick: bool = False, device: int = 0) -> list[Row]:
+    """MoE shapes: grouped contiguous against torch._grouped_mm in BF16 (and a loop of cuBLAS blockwise FP8 per
+    expert, context); grouped masked in TFLOP/s on the real rows (a loop of cuBLAS blockwise over the real rows,
+    context); the K-grouped weight gradient (D += ...) against torch._grouped_mm BF16 over K groups (no add)."""
+    from .ops.gemm_fp8 import (BENCH_SHAPES, gemm_fp8_grouped_contiguous, gemm_fp8_grouped_masked,
+                               gemm_fp8_wgrad)
+
+    torch = torch_or_none()
+    if torch is None:
+        raise RuntimeError("bench --op gemm_fp8_grouped needs torch for the peers")
+    out_rows = []
+    bf16 = torch.bfloat16
+    for groups, rows, n, k in BENCH_SHAPES["contiguous"][:1 if quick else None]:
+        m = groups * rows
+        a, sa = _fp8_activations(torch, m, k)
+        b, sb = _fp8_weights(torch, groups, n, k)
+        ids = torch.arange(groups, device="cuda", dtype=torch.int32).repeat_interleave(rows)
+        d = torch.empty(m, n, device="cuda", dtype=bf16)
+        flop = 2 * m * n * k / 1e12
+        ours = graph_time_us(torch, lambda i, s: gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, d, stream=s))
+        a16 = torch.randn(m, k, device="cuda", dtype=bf16)
+        b16 = torch.randn(groups, n, k, device="cuda", dtype=bf16)
+        offs = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * rows
+        peer = graph_time_us(torch, lambda i, s: torch._grouped_mm(a16, b16.transpose(-2, -1), offs=offs))
+        case = f"{groups}x{rows} rows, N={n}, K={k}"
+        out_rows.append(Row("gemm_fp8_contiguous", case, ours, tflops=flop, peer="torch._grouped_mm BF16",
+                            peer_us=peer))
+
+        def loop(i, s):
+            for g in range(groups):
+                r = slice(g * rows, (g + 1) * rows)
+                torch._scaled_mm(a[r], b[g].t(), scale_a=sa[r], scale_b=sb[g].t(), out_dtype=bf16)
+        out_rows.append(Row("gemm_fp8_context", f"{case} cuBLAS blockwise per expert (context)",
+                            _context_us(torch, loop), tflops=flop))
+        a = sa = b = sb = d = a16 = b16 = None
+    for groups, rows, n, k in BENCH_SHAPES["masked"][:1 if quick else None]:
+        a, sa = _fp8_activations(torch, groups * rows, k)
+        b, sb = _fp8_weights(torch, groups, n, k)
+        gen = torch.Generator().manual_seed(groups * rows)
+        real = (torch.rand(groups, generator=gen) * 0.25 * rows + 0.75 * rows).int().clamp(max=rows)
+        masked = real.to("cuda")
+        d = torch.empty(groups, rows, n, device="cuda", dtype=bf16)
+        a3, sa3 = a.view(groups, rows, k), sa.view(groups, rows, -1)
+        ours = graph_time_us(torch, lambda i, s: gemm_fp8_grouped_masked(a3, sa3, b, sb, masked, d, stream=s))
+        flop = 2 * int(real.sum()) * n * k / 1e12
+
+        def loop(i, s):
+            for g in range(groups):
+                r = slice(g * rows, g * rows + int(real[g]))
+                torch._scaled_mm(a[r], b[g].t(), scale_a=sa[r], scale_b=sb[g].t(), out_dtype=bf16)
+        out_rows.append(Row("gemm_fp8_masked", f"G={groups}, M={rows} ({int(real.sum())} real rows), N={n}, K={k}",
+                            ours, tflops=flop, peer="cuBLAS blockwise per group", peer_us=_context_us(torch, loop)))
+        a = sa = b = sb = d = a3 = sa3 = None
+    for groups, tokens, m, n in BENCH_SHAPES["wgrad"][:1 if quick else None]:
+        k = groups * tokens
+        a, sa = _fp8_activations(torch, m, k)
+        b, sb = _fp8_activations(torch, n, k)
+        d = torch.zeros(groups, m, n, device="cuda", dtype=torch.float32)
+        ks = [tokens] * groups
+        ours = graph_time_us(torch, lambda i, s: gemm_fp8_wgrad(a, sa, b, sb, d, ks, stream=s))
+        a16 = torch.randn(m, k, device="cuda", dtype=bf16)
+        b16 = torch.randn(n, k, device="cuda", dtype=bf16)
+        offs = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * tokens
+        peer = graph_time_us(torch, lambda i, s: torch._grouped_mm(a16, b16.t(), offs=offs))
+        out_rows.append(Row("gemm_fp8_wgrad", f"{groups} experts x {tokens} tokens, M={m}, N={n} (D += , fp32)",
+                            ours, tflops=2 * m * n * k / 1e12, peer="torch._grouped_mm BF16 (K groups)",
+                            peer_us=peer))
+        a = sa = b = sb = d = a16 = b16 = None
+    return out_rows
+
+
+BENCHES = {"quant": bench_quant, "gemm": bench_gemm, "gemm_fp8": bench_gemm_fp8,
+           "gemm_fp8_grouped": bench_gemm_fp8_grouped}

@@ -89,10 +89,79 @@ def gemm_fp8_cases():
             for m, n, k, rm in [(1, 16, 16, False), (129, 2112, 1040, False), (300, 776, 4112, True)]]
 
 
+def _grouped_fp8_case(kind, rng):
+    """One small case of each grouped FP8 op against float64 on the dequantized inputs (random e4m3 values and
+    scales), poisoned outputs: padding and masked rows must stay untouched, wgrad run twice into one D."""
+    import ml_dtypes
+
+    from .ops import gemm_fp8 as f
+
+    def e4m3(shape):
+        return np.clip(rng.standard_normal(shape) * 64, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+
+    def scales(shape):
+        return (rng.uniform(0.5, 2.0, shape) / 448).astype(np.float32)
+
+    def deq(x, s, block_rows):
+        s = np.repeat(s.astype(np.float64), 128, axis=-1)[..., :x.shape[-1]]
+        if block_rows:
+            s = np.repeat(s, 128, axis=-2)[..., :x.shape[-2], :]
+        return x.astype(np.float64) * s
+
+    up = DeviceArray.from_numpy
+    groups, n, k = 3, 264, 1040
+    b, sb = e4m3((groups, n, k)), scales((groups, 3, 9))
+    errs, untouched = [], True
+    if kind == "contiguous":
+        ids = np.array([0] * 100 + [-1] * 28 + [2] * 130 + [-1] * 126 + [-1] * 128, np.int32)
+        a, sa = e4m3((len(ids), k)), scales((len(ids), 9))
+        out = DeviceArray.empty((len(ids), n), "bfloat16").fill_bytes(0xFF)
+        f.gemm_fp8_grouped_contiguous(up(a), up(sa), up(b), up(sb), up(ids), out)
+        got = out.numpy().astype(np.float64)
+        for e in (0, 2):
+            r = ids == e
+            ref = deq(a[r], sa[r], False) @ deq(b[e], sb[e], True).T
+            errs.append(np.linalg.norm(got[r] - ref) / np.linalg.norm(ref))
+        untouched = np.isnan(got[ids < 0]).all()
+    elif kind == "masked":
+        m = 200
+        masked = np.array([0, 77, 200], np.int32)
+        a, sa = e4m3((groups, m, k)), scales((groups, m, 9))
+        out = DeviceArray.empty((groups, m, n), "bfloat16").fill_bytes(0xFF)
+        f.gemm_fp8_grouped_masked(up(a), up(sa), up(b), up(sb), up(masked), out)
+        got = out.numpy().astype(np.float64)
+        for e in (1, 2):
+            ref = deq(a[e, :masked[e]], sa[e, :masked[e]], False) @ deq(b[e], sb[e], True).T
+            errs.append(np.linalg.norm(got[e, :masked[e]] - ref) / np.linalg.norm(ref))
+        untouched = all(np.isnan(got[e, masked[e]:]).all() for e in range(groups))
+    else:
+        m, ks = 200, (256, 0, 384)
+        kt = sum(ks)
+        a, sa, bw, sbw = e4m3((m, kt)), scales((m, kt // 128)), e4m3((n, kt)), scales((n, kt // 128))
+        d0 = rng.standard_normal((groups, m, n)).astype(np.float32)
+        d = up(d0)
+        for _ in range(2):
+            f.gemm_fp8_wgrad(up(a), up(sa), up(bw), up(sbw), d, ks)
+        got = (d.numpy().astype(np.float64) - d0) / 2
+        da, db = deq(a, sa, False), deq(bw, sbw, False)
+        for e, lo, hi in ((0, 0, 256), (2, 256, 640)):
+            ref = da[:, lo:hi] @ db[:, lo:hi].T
+            errs.append(np.linalg.norm(got[e] - ref) / np.linalg.norm(ref))
+        untouched = (got[1] == 0).all()
+    err = max(errs)
+    ok = bool(err <= 5e-3 and untouched)
+    return ok, f"rel. Frobenius error {err:.2e} (limit 5e-3); skipped rows untouched: {bool(untouched)}"
+
+
+def grouped_fp8_cases():
+    return [(f"gemm_fp8 {kind}", lambda rng, kind=kind: _grouped_fp8_case(kind, rng))
+            for kind in ("contiguous", "masked", "wgrad")]
+
+
 def run() -> bool:
     rng = np.random.default_rng()
     results = []
-    for name, case in cases() + gemm_cases() + gemm_fp8_cases():
+    for name, case in cases() + gemm_cases() + gemm_fp8_cases() + grouped_fp8_cases():
         try:
             ok, detail = case(rng)
         except Exception as e:  # report and keep going

@@ -63,3 +63,25 @@ for mode in (g.MCAST_NONE, g.MCAST_SHARE_B, g.MCAST_SHARE_A):
         assert {p.cfg.mcast for p in f._plans.values()} == {mode}
         assert np.abs(d.numpy().astype(np.float64) - ref8).max() < 2e-2 * np.abs(ref8).max(), mode
 print("gemm_fp8 sanitize cases ran")
+
+# The grouped layouts and the weight gradient, one small case each (tails, padding rows, masked rows, an empty
+# K group, direct-store slices), also under 2-CTA pairs.
+for mode in (g.MCAST_NONE, g.MCAST_SHARE_A):
+    g.pick_multicast = lambda *args, mode=mode: mode
+    f._plans.clear()
+    ids = DeviceArray.from_numpy(np.array([0] * 100 + [-1] * 28 + [1] * 128 + [-1] * 128, np.int32))
+    qa3, sa3 = ck.quantize_fp8_per_token(DeviceArray.from_numpy(rng.standard_normal((384, 528)).astype(np.float32)))
+    qw3, sw3 = ck.quantize_fp8_per_block(DeviceArray.from_numpy(rng.standard_normal((2 * 256, 528)).astype(np.float32)))
+    qw3 = DeviceArray(qw3.ptr, (2, 256, 528), qw3.dtype, None, qw3.device, owner=qw3)
+    sw3 = DeviceArray(sw3.ptr, (2, 2, 5), sw3.dtype, None, sw3.device, owner=sw3)
+    d = ck.gemm_fp8_grouped_contiguous(qa3, sa3, qw3, sw3, ids)
+    assert np.isfinite(d.numpy()[:100].astype(np.float32)).all()
+    qm = DeviceArray(qa3.ptr, (2, 192, 528), qa3.dtype, None, qa3.device, owner=qa3)
+    sm = DeviceArray(sa3.ptr, (2, 192, 5), sa3.dtype, (1 * 192, 1, sa3.strides[1]), sa3.device, owner=sa3)
+    d = ck.gemm_fp8_grouped_masked(qm, sm, qw3, sw3, DeviceArray.from_numpy(np.array([70, 192], np.int32)))
+    dw = DeviceArray.from_numpy(np.zeros((2, 136, 130), np.float32))
+    qa_t, sa_t = ck.quantize_fp8_per_token(DeviceArray.from_numpy(rng.standard_normal((136, 384)).astype(np.float32)))
+    qb_t, sb_t = ck.quantize_fp8_per_token(DeviceArray.from_numpy(rng.standard_normal((130, 384)).astype(np.float32)))
+    ck.gemm_fp8_wgrad(qa_t, sa_t, qb_t, sb_t, dw, [256, 128])
+    assert np.isfinite(dw.numpy()).all()
+print("gemm_fp8 grouped sanitize cases ran")

@@ -310,7 +310,8 @@ def test_wgrad_accumulates(rng, forced_multicast, mnks, scales, mode):
     d0 = rng.standard_normal((len(ks), m, n)).astype(np.float32)
     d = DeviceArray.from_numpy(d0)
     if scales == "mmajor":
-        (sa_dev, keep_a), (sb_dev, keep_b) = _mmajor(sa), _mmajor(sb)
+        uploads = [_mmajor(sa), _mmajor(sb)]  # (view, owner) pairs, alive until the end
+        sa_dev, sb_dev = uploads[0][0], uploads[1][0]
     else:
         sa_dev, sb_dev = DeviceArray.from_numpy(sa), DeviceArray.from_numpy(sb)
     args = (DeviceArray.from_numpy(a), sa_dev, DeviceArray.from_numpy(b), sb_dev, d, ks)
