@@ -125,4 +125,5 @@ def test_fp8_gemm_sass_uses_fp8_tensor_cores(variant):
     text = sass(compile_kernel(variant[0], variant[1], variant[2], "sm_90a").cubin)
     assert re.search(rf"QGMMA\.64x{variant[2]['BN']}x32\.F32\.E4M3\.E4M3", text), "no QGMMA of the configured shape"
     assert not re.search(r"\b(LDL|STL)\b", text), "local memory in SASS"
-    assert "UTMALDG" in text and "UTMASTG" in text
+    store = "UTMAREDG" if variant[2].get("LAYOUT") == "LAYOUT_KGROUPED" else "UTMASTG"  # D += through TMA
+    assert "UTMALDG" in text and store in text
