@@ -352,6 +352,11 @@ def _fp8_weights(torch, groups: int, n: int, k: int):
     return torch.from_dlpack(q).view(groups, n, k), torch.from_dlpack(s).view(groups, n // 128, -1)
 
 
+def _mmajor_copy(s):
+    """A row slice of M-major scales as its own M-major tensor (what cuBLAS blockwise takes)."""
+    return s.t().contiguous().t()
+
+
 def _context_us(torch, run) -> float:
     """A context peer's time, or 0 (no column) when torch rejects the call on this build."""
     try:
@@ -389,10 +394,11 @@ def bench_gemm_fp8_grouped(quick: bool = False, device: int = 0) -> list[Row]:
         out_rows.append(Row("gemm_fp8_contiguous", case, ours, tflops=flop, peer="torch._grouped_mm BF16",
                             peer_us=peer))
 
+        per_group = [(a[g * rows:(g + 1) * rows], _mmajor_copy(sa[g * rows:(g + 1) * rows])) for g in range(groups)]
+
         def loop(i, s):
-            for g in range(groups):
-                r = slice(g * rows, (g + 1) * rows)
-                torch._scaled_mm(a[r], b[g].t(), scale_a=sa[r], scale_b=sb[g].t(), out_dtype=bf16)
+            for g, (ag, sag) in enumerate(per_group):
+                torch._scaled_mm(ag, b[g].t(), scale_a=sag, scale_b=sb[g].t(), out_dtype=bf16)
         out_rows.append(Row("gemm_fp8_context", f"{case} cuBLAS blockwise per expert (context)",
                             _context_us(torch, loop), tflops=flop))
         a = sa = b = sb = d = a16 = b16 = None
@@ -407,10 +413,12 @@ def bench_gemm_fp8_grouped(quick: bool = False, device: int = 0) -> list[Row]:
         ours = graph_time_us(torch, lambda i, s: gemm_fp8_grouped_masked(a3, sa3, b, sb, masked, d, stream=s))
         flop = 2 * int(real.sum()) * n * k / 1e12
 
+        per_group = [(a[g * rows:g * rows + int(real[g])], _mmajor_copy(sa[g * rows:g * rows + int(real[g])]))
+                     for g in range(groups)]
+
         def loop(i, s):
-            for g in range(groups):
-                r = slice(g * rows, g * rows + int(real[g]))
-                torch._scaled_mm(a[r], b[g].t(), scale_a=sa[r], scale_b=sb[g].t(), out_dtype=bf16)
+            for g, (ag, sag) in enumerate(per_group):
+                torch._scaled_mm(ag, b[g].t(), scale_a=sag, scale_b=sb[g].t(), out_dtype=bf16)
         out_rows.append(Row("gemm_fp8_masked", f"G={groups}, M={rows} ({int(real.sum())} real rows), N={n}, K={k}",
                             ours, tflops=flop, peer="cuBLAS blockwise per group", peer_us=_context_us(torch, loop)))
         a = sa = b = sb = d = a3 = sa3 = None

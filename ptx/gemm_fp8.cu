@@ -47,7 +47,8 @@ constexpr int B_STAGE = BN * BK;
 constexpr int SA_STAGE = BM * 4;
 constexpr bool WGRAD = LAYOUT == LAYOUT_KGROUPED;
 constexpr bool PER_GROUP_TILES = LAYOUT == LAYOUT_MASKED || LAYOUT == LAYOUT_KGROUPED;  // M counts a group's rows
-constexpr int SB_STAGE = WGRAD ? BN * 4 : 0;  // this k block's 1x128 scales of B's BN rows
+constexpr int SB_BYTES = WGRAD ? BN * 4 : 0;  // this k block's 1x128 scales of B's BN rows
+constexpr int SB_STAGE = (SB_BYTES + 127) / 128 * 128;  // TMA writes shared memory at 128-byte boundaries
 constexpr int OUT_BYTES = WGRAD ? 4 : 2;
 constexpr int CH_MAX = 128 / OUT_BYTES;  // output chunk rows of at most 128 bytes (one swizzle span)
 constexpr int CH = BN % CH_MAX == 0 ? CH_MAX : BN % 32 == 0 ? 32 : 16;
@@ -176,7 +177,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
       if (t.skip) continue;
       for (int kb = t.kb0; kb < t.kb1; ++kb) {
         mbar_wait(&empty[s], phase ^ 1);
-        mbar_arrive_expect_tx(&full[s], A_STAGE + B_STAGE + SA_STAGE + SB_STAGE);
+        mbar_arrive_expect_tx(&full[s], A_STAGE + B_STAGE + SA_STAGE + SB_BYTES);
         tma_load_operand<MCAST == 2>(smem + s * A_STAGE, &tm_a, &full[s], kb * BK, t.a_row, BM, A_STAGE, rank);
         tma_load_operand<MCAST == 1>(smem + SMEM_B + s * B_STAGE, &tm_b, &full[s], kb * BK, t.b_row, BN, B_STAGE,
                                      rank);

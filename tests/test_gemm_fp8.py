@@ -297,7 +297,8 @@ def test_grouped_masked(rng, forced_multicast, shape, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mnks", [(200, 264, (256, 0, 128, 384)), (256, 2112, (512, 1024)), (72, 16, (128,))],
+@pytest.mark.parametrize("mnks", [(200, 264, (256, 0, 128, 384)), (256, 2112, (512, 1024)), (72, 16, (128,)),
+                                  (130, 144, (384, 256))],
                          ids=lambda s: f"{s[0]}x{s[1]}x{'-'.join(map(str, s[2]))}")
 @pytest.mark.parametrize("scales", ["mmajor", "rowmajor"])
 @pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_B])

@@ -61,7 +61,7 @@ def _chunk(bn: int, out_bytes: int = 2) -> int:
 def smem_bytes(bm: int, bn: int, stages: int, layout: str = NORMAL) -> int:
     """Mirror of ptx/gemm_fp8.cu's layout: A, B, sA (and for the weight gradient sB) stages, the output chunks from
     a 1024-byte boundary, two barriers per stage, alignment slack."""
-    sb = bn * 4 if layout == KGROUPED else 0
+    sb = -(-bn * 4 // 128) * 128 if layout == KGROUPED else 0  # each stage's at a 128-byte boundary
     stages_end = stages * (bm * BK + bn * BK + bm * 4 + sb)
     d = -(-stages_end // 1024) * 1024
     ob = _out_bytes(layout)
