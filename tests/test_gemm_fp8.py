@@ -30,9 +30,15 @@ def test_config_fits_and_matches_the_kernel_layout(shape):
 
 
 def test_config_choices():
-    # 4096 rows: 32 row blocks; BN=176 gives 41 column blocks of 7168 = 1312 tiles, 9.94 waves of 132
+    # 4096 rows: 32 row blocks. 7168 / 128 = 56 column blocks: 1792 tiles, 14 waves of 132 at cost 1.0 per 128
+    # columns; 192 wide: 38 x 32 = 1216 tiles, 10 waves x 1.5 x 1.05 = 15.75 -> 128 wins.
     cfg = f.pick_config(4096, 7168, 16384, H100)
-    assert (cfg.bm, cfg.bn, cfg.mcast) == (128, 176, g.MCAST_SHARE_B)
+    assert (cfg.bm, cfg.bn, cfg.mcast) == (128, 128, g.MCAST_SHARE_B)
+    # N = 2112: 128 wide is 17 x 32 = 544 tiles, 5 waves (5.0); 192 wide is 11 x 32 = 352 tiles, 3 waves (4.7)
+    assert f.pick_config(4096, 2112, 7168, H100).bn == 192
+    # one row of tiles: memory-bound, fewest waves, no pairs
+    small = f.pick_config(128, 7168, 16384, H100)
+    assert (small.bn, small.mcast) == (64, g.MCAST_NONE)
     assert f.pick_config(64, 7168, 16384, H100).bm == 64
 
 
@@ -136,7 +142,7 @@ def test_gemm_fp8_from_quantize_ops(rng):
 @pytest.fixture
 def forced_multicast(monkeypatch):
     def force(mode):
-        monkeypatch.setattr(g, "pick_multicast", lambda m, n, bm, bn, splits, b_kn, props:
+        monkeypatch.setattr(g, "pick_multicast", lambda m, n, bm, bn, splits, b_kn, props, share_b=True:
                             mode if (mode == g.MCAST_SHARE_B or bm % 128 == 0) else g.MCAST_NONE)
         f._plans.clear()
     yield force

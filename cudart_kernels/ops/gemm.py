@@ -208,10 +208,11 @@ def cluster_tiles(m: int, n: int, bm: int, bn: int, mcast: int) -> tuple[int, in
     return tiles_m, tiles_n
 
 
-def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, props: DeviceProperties) -> int:
+def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, props: DeviceProperties,
+                   share_b: bool = True) -> int:
     """Pair tiles in 2-CTA clusters when it adds no wave: along M sharing B (halves the B reads), or along N
     sharing A; the side whose half-tile saves more bytes wins. Each half must be whole 8-row swizzle atoms, and B
-    as [K, N] is never shared (it comes in panels)."""
+    as [K, N] is never shared (it comes in panels), nor, with `share_b` False, at all."""
     tiles_m, tiles_n = -(-m // bm), -(-n // bn)
     slots = props.sm_count - props.sm_count % 2
 
@@ -220,7 +221,7 @@ def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, pr
         return -(-cl_m * cl_n * (2 if mcast else 1) * splits // slots)
 
     best, saved = MCAST_NONE, 0
-    if not b_kn and bn % 16 == 0 and tiles_m >= 2 and waves(MCAST_SHARE_B) <= waves(MCAST_NONE):
+    if share_b and not b_kn and bn % 16 == 0 and tiles_m >= 2 and waves(MCAST_SHARE_B) <= waves(MCAST_NONE):
         best, saved = MCAST_SHARE_B, bn
     if bm % 128 == 0 and tiles_n >= 2 and waves(MCAST_SHARE_A) <= waves(MCAST_NONE) and bm > saved:
         best = MCAST_SHARE_A

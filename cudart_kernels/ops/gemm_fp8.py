@@ -75,25 +75,42 @@ def max_stages(bm: int, bn: int, budget: int, layout: str = NORMAL) -> int:
     return s
 
 
+# Relative cost of a 128-row tile per column, by BN, measured on H200 for the M=4096 benchmark shapes
+# (docs/perf-notes.md): 128 and 192 are the efficient widths (a tile meets one or two scale blocks of B; 160, 96
+# meet two or three, and narrow tiles spend more of each k block on promotion and A reads).
+BN_COST = {64: 1.35, 96: 1.27, 128: 1.0, 160: 1.1, 192: 1.05}
+
+
 def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = NORMAL, groups: int = 1,
                 max_bm: int = 128) -> Fp8Config:
     """BM 64 for M <= 64 (one consumer warpgroup), else 128 (at most `max_bm`: contiguous groups aligned to 64
-    rows need 64); BN a multiple of 16 up to MAX_BN (or N rounded up to 16 when smaller) with the fewest waves,
-    then the fullest last wave, then the widest; stages fill the shared-memory budget; 2-CTA multicast and the
-    tile order as for the BF16 GEMM. For the masked and K-grouped layouts m is one group's rows and the waves
-    count all `groups` groups' tiles; tiles paired along M may not straddle two groups of the contiguous
-    layout, so it pairs along N only."""
+    rows need 64). With several row blocks of 128 (compute-bound) BN is the BN_COST width with the least
+    waves x width x cost; otherwise (memory-bound) a multiple of 16 up to MAX_BN (or N rounded up to 16 when
+    smaller) with the fewest waves, then the fullest last wave, then the widest. Stages fill the shared-memory
+    budget; 2-CTA multicast and the tile order as for the BF16 GEMM, but no pairs when there is a single row of
+    tiles (sharing A there saved nothing and cost 3-8% in the sweep). For the masked and K-grouped layouts m is
+    one group's rows and the waves count all `groups` groups' tiles."""
     bm = 64 if m <= 64 or max_bm == 64 else 128
     per_group = layout in (MASKED, KGROUPED)
     m_all = groups * -(-m // bm) * bm if per_group else m  # rows that the tile count sees
+    tiles_m = -(-m_all // bm)
     budget = props.smem_per_block_optin
     top = min(MAX_BN, max(16, -(-n // 16) * 16))
-    cands = [b for b in range(16, top + 1, 16) if max_stages(bm, b, budget, layout) >= 3]
-    bn = _gemm.fewest_waves_bn(m_all, n, bm, cands, props)
+    if bm == 128 and tiles_m >= 2 and n > 128:
+        def cost(b):
+            waves = -(-tiles_m * -(-n // b) // props.sm_count)
+            return waves * b * BN_COST[b], -b
+        bn = min((b for b in BN_COST if b <= top), key=cost)
+    else:
+        cands = [b for b in range(16, top + 1, 16) if max_stages(bm, b, budget, layout) >= 3]
+        bn = _gemm.fewest_waves_bn(m_all, n, bm, cands, props)
     stages = max_stages(bm, bn, budget, layout)
-    mcast = _gemm.pick_multicast(m_all, n, bm, bn, 1, False, props) if _gemm.MULTICAST else _gemm.MCAST_NONE
-    if layout == CONTIGUOUS and mcast == _gemm.MCAST_SHARE_B:
-        mcast = _gemm.MCAST_NONE
+    # Tiles paired along M share B: they must be of one group (masked, K-grouped: pairs form within a group, so
+    # a group of one row of tiles would pair with an idle spare; contiguous: never).
+    share_b = layout == NORMAL or (per_group and -(-m // bm) >= 2)
+    mcast = _gemm.MCAST_NONE
+    if _gemm.MULTICAST and tiles_m >= 2:
+        mcast = _gemm.pick_multicast(m_all, n, bm, bn, 1, False, props, share_b)
     group_m = _gemm.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout)
 
