@@ -77,6 +77,7 @@ def graph_time_us(torch, run, n_sets: int = 1, iters: int = 20, repeats: int = 7
     if _graph_stream is None:
         _graph_stream = torch.cuda.Stream()  # one for the process: our split-K workspace is per stream
     stream = _graph_stream
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs were just made on the current stream
     with torch.cuda.stream(stream):
         for i in range(warmup):
             run(i % n_sets, stream)  # compiles, allocates workspaces: nothing may allocate inside the capture
