@@ -3,7 +3,7 @@
 // fp32 scale per 128x128 block of B (sB[g * sb_group + nb * sb_row + kb * sb_col], any strides).
 //
 // The structure is gemm.cu's: persistent grid, warpgroup 0 a TMA producer filling a STAGES-deep ring (A, B and
-// this k block's sA column), BM / 64 consumer warpgroups each owning 64 rows of the BM x BN tile, grouped tile
+// this k block's sA column), one or two consumer warpgroups each owning 64 (or 128) rows of the BM x BN tile, grouped tile
 // order, optional 2-CTA clusters with TMA multicast (MCAST 1: pairs along M share B; 2: pairs along N share A),
 // stmatrix + TMA store epilogue. Per 128-deep k block (one scale block) a consumer runs four wgmma m64nBNk32 into
 // a scratch accumulator, waits for them, frees the stage and adds the scratch into its fp32 result scaled by
@@ -24,7 +24,11 @@
 // A 64-row slice of a tile with rows that must not be written (past a group's end, another group's, padding) is
 // written by its threads directly (bf16 stores, or fp32 atomic adds), every other slice through TMA.
 //
-// Compile-time parameters: BM (64, 128), BN (16..192, step 16), STAGES, MCAST, LAYOUT.
+// BM = 256 (BN <= 128) gives each of the two consumers 128 rows, run as two m64 row blocks one after the other
+// through the one scratch accumulator: a 256-row tile reads a third less from L2 per flop than a 128-row one,
+// and the main loop of the 128-row tiles is bound by those reads (docs/perf-notes.md).
+//
+// Compile-time parameters: BM (64, 128, 256), BN (16..192, step 16; 256 rows: up to 128), STAGES, MCAST, LAYOUT.
 #include "common/gemm_tiles.cuh"
 #include "common/wgmma_ops.cuh"
 
@@ -40,7 +44,9 @@
 #endif
 
 constexpr int BK = 128;  // e4m3 elements = bytes: one 128-byte swizzle span, four k32 wgmma steps, one scale block
-constexpr int CONSUMERS = BM / 64;
+constexpr int CONSUMERS = BM == 64 ? 1 : 2;
+constexpr int WG_ROWS = BM / CONSUMERS;  // rows of the tile per consumer warpgroup: 64, or 128 when BM = 256
+constexpr int SUBS = WG_ROWS / 64;       // m64 wgmma row blocks per consumer
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int A_STAGE = BM * BK;
 constexpr int B_STAGE = BN * BK;
@@ -58,9 +64,10 @@ constexpr int CLUSTER = MCAST ? 2 : 1;
 constexpr int ACC = BN / 2;  // fp32 accumulator registers per thread for m64nBN
 constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : 232;
-static_assert(BM == 64 || BM == 128, "BM must be 64 or 128");
+static_assert(BM == 64 || BM == 128 || BM == 256, "BM must be 64, 128 or 256");
+static_assert(BM != 256 || BN <= 128, "two result sets of m64nBN and one scratch set must fit 232 registers");
 static_assert(BN % 16 == 0 && BN >= 16 && BN <= 192, "BN must be a multiple of 16 in 16..192");
-static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0) || (MCAST == 2 && BM == 128),
+static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0) || (MCAST == 2 && BM % 128 == 0),
               "multicast halves must be whole 8-row swizzle atoms");
 static_assert(!(LAYOUT == LAYOUT_CONTIGUOUS && MCAST == 1), "tiles paired along M may belong to different groups");
 
@@ -196,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   const int warp = tid / 32, lane = tid % 32;
   const int n_blocks = (N + 127) / 128;
   u8* d_smem = smem + SMEM_D + c * 2 * CHUNK_BYTES;
-  float acc[ACC], part[ACC];
+  float acc[SUBS][ACC], part[ACC];
 
   int s = 0;
   u32 phase = 0;
@@ -213,7 +220,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
     const int sb_next1 = int((min(n0 / 128 + 1, n_blocks - 1) - nb0) * sb_row);  // sB is small: int offsets
     const int sb_next2 = int((min(n0 / 128 + 2, n_blocks - 1) - nb0) * sb_row);
 #pragma unroll
-    for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
+    for (int u = 0; u < SUBS; ++u)
+#pragma unroll
+      for (int i = 0; i < ACC; ++i) acc[u][i] = 0.f;
 
     for (int kb = t.kb0; kb < t.kb1; ++kb) {
       // B's scales for this k block (L1/L2 hits), loaded before the wait so that their latency overlaps it.
@@ -222,85 +231,101 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
       const float scale_b2 = !WGRAD && SB_BLOCKS > 2 ? __ldg(sbk + sb_next2) : 0.f;
       sbk += sb_col;
       mbar_wait(&full[s], phase);
-      const u64 da = wgmma_desc_sw128(smem + s * A_STAGE + c * 64 * 128);
       const u64 db = wgmma_desc_sw128(smem + SMEM_B + s * B_STAGE);
-      wgmma_fence();
+      const float* sa_stage = reinterpret_cast<const float*>(smem + SMEM_SA + s * SA_STAGE) + c * WG_ROWS + warp * 16;
+      const float* sb_stage = reinterpret_cast<const float*>(smem + SMEM_SB + s * SB_STAGE) + (lane % 4) * 2;
+      float scale_a[SUBS][2];
 #pragma unroll
-      for (int k = 0; k < BK / 32; ++k)  // 32 e4m3 = 32 bytes = 2 descriptor units along K
-        Wgmma<WgE4m3, BN>::template mma<0>(part, da + 2 * k, db + 2 * k, k != 0);
-      wgmma_commit();
-      const float* sa_stage = reinterpret_cast<const float*>(smem + SMEM_SA + s * SA_STAGE) + c * 64 + warp * 16;
-      const float scale_a0 = sa_stage[lane / 4], scale_a1 = sa_stage[lane / 4 + 8];  // rows r and r + 8
-      wgmma_wait<0>();
-      fence_registers(part);
-      if constexpr (WGRAD) {
-        // Per-column scales of B: this thread's columns 8 i + 2 (lane % 4) + {0, 1}.
-        const float* sb_stage = reinterpret_cast<const float*>(smem + SMEM_SB + s * SB_STAGE) + (lane % 4) * 2;
+      for (int u = 0; u < SUBS; ++u) {
+        // One m64 row block at a time through the one scratch accumulator (BM = 256: two per k block).
+        const u64 da = wgmma_desc_sw128(smem + s * A_STAGE + (c * WG_ROWS + u * 64) * 128);
+        wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < ACC / 4; ++i) {
-          const float2 scale_b = *reinterpret_cast<const float2*>(sb_stage + 8 * i);
-          acc[4 * i] += part[4 * i] * (scale_a0 * scale_b.x);
-          acc[4 * i + 1] += part[4 * i + 1] * (scale_a0 * scale_b.y);
-          acc[4 * i + 2] += part[4 * i + 2] * (scale_a1 * scale_b.x);
-          acc[4 * i + 3] += part[4 * i + 3] * (scale_a1 * scale_b.y);
-        }
-        __syncwarp();
-        if (lane == 0) release_stage<MCAST>(&empty[s], rank);
-        if (++s == STAGES) { s = 0; phase ^= 1; }
-      } else {
-        if (lane == 0) release_stage<MCAST>(&empty[s], rank);  // sA was read above: the stage is done
-        if (++s == STAGES) { s = 0; phase ^= 1; }
+        for (int k = 0; k < BK / 32; ++k)  // 32 e4m3 = 32 bytes = 2 descriptor units along K
+          Wgmma<WgE4m3, BN>::template mma<0>(part, da + 2 * k, db + 2 * k, k != 0);
+        wgmma_commit();
+        if (u == 0) {
 #pragma unroll
-        for (int i = 0; i < ACC / 4; ++i) {
-          const float scale_b = SB_BLOCKS > 2 && 8 * i >= first_next + 128 ? scale_b2
-                                : SB_BLOCKS > 1 && 8 * i >= first_next     ? scale_b1
-                                                                           : scale_b0;
-          const float s0 = scale_a0 * scale_b, s1 = scale_a1 * scale_b;
-          acc[4 * i] += part[4 * i] * s0;
-          acc[4 * i + 1] += part[4 * i + 1] * s0;
-          acc[4 * i + 2] += part[4 * i + 2] * s1;
-          acc[4 * i + 3] += part[4 * i + 3] * s1;
-        }
-      }
-    }
-
-    const int r0 = c * 64;  // this slice's first row within the tile
-    if (t.m0 + r0 >= t.rows || n0 >= N) continue;  // a slice past the edge (or a cluster's spare tile)
-    if constexpr (LAYOUT != LAYOUT_NORMAL) {
-      const int r = r0 + warp * 16 + lane / 4;  // this thread's rows r and r + 8
-      const bool ok0 = row_writable(t, r, info), ok1 = row_writable(t, r + 8, info);
-      if (!named_barrier_all(1 + c, 128, ok0 && ok1)) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (!(h ? ok1 : ok0)) continue;
-          const i64 row = t.d_row + r + 8 * h;
-#pragma unroll
-          for (int i = 0; i < ACC / 4; ++i) {
-            const int col = n0 + 8 * i + (lane % 4) * 2;
-            if (col >= N) continue;
-            const float x = acc[4 * i + 2 * h], y = acc[4 * i + 2 * h + 1];
-            if constexpr (WGRAD) {
-              float* p = reinterpret_cast<float*>(d) + row * ld_d + col;
-              atomicAdd(p, x);
-              atomicAdd(p + 1, y);
-            } else {
-              *reinterpret_cast<u32*>(reinterpret_cast<u16*>(d) + row * ld_d + col) = f32x2_to_bf16x2(x, y);
-            }
+          for (int v = 0; v < SUBS; ++v) {  // rows r and r + 8 of each row block
+            scale_a[v][0] = sa_stage[v * 64 + lane / 4];
+            scale_a[v][1] = sa_stage[v * 64 + lane / 4 + 8];
           }
         }
-        continue;
+        wgmma_wait<0>();
+        fence_registers(part);
+        const bool last = u == SUBS - 1;
+        if (!WGRAD && last) {
+          if (lane == 0) release_stage<MCAST>(&empty[s], rank);  // sA was read above: the stage is done
+        }
+        float* a = acc[u];
+#pragma unroll
+        for (int i = 0; i < ACC / 4; ++i) {
+          float sx0, sy0, sx1, sy1;  // scales of this thread's 2 x 2 elements of column group i
+          if constexpr (WGRAD) {  // per-column scales of B: columns 8 i + 2 (lane % 4) + {0, 1}
+            const float2 scale_b = *reinterpret_cast<const float2*>(sb_stage + 8 * i);
+            sx0 = scale_a[u][0] * scale_b.x, sy0 = scale_a[u][0] * scale_b.y;
+            sx1 = scale_a[u][1] * scale_b.x, sy1 = scale_a[u][1] * scale_b.y;
+          } else {
+            const float scale_b = SB_BLOCKS > 2 && 8 * i >= first_next + 128 ? scale_b2
+                                  : SB_BLOCKS > 1 && 8 * i >= first_next     ? scale_b1
+                                                                             : scale_b0;
+            sx0 = sy0 = scale_a[u][0] * scale_b;
+            sx1 = sy1 = scale_a[u][1] * scale_b;
+          }
+          a[4 * i] += part[4 * i] * sx0;
+          a[4 * i + 1] += part[4 * i + 1] * sy0;
+          a[4 * i + 2] += part[4 * i + 2] * sx1;
+          a[4 * i + 3] += part[4 * i + 3] * sy1;
+        }
+        if (WGRAD && last) {
+          __syncwarp();
+          if (lane == 0) release_stage<MCAST>(&empty[s], rank);
+        }
       }
+      if (++s == STAGES) { s = 0; phase ^= 1; }
     }
-    tma_store_chunks<CHUNKS, CH, WGRAD>(&tm_d, d_smem, CHUNK_BYTES, chunk_seq, n0, t.d_row + r0, tid, 1 + c,
-                                        [&](int j, u8* buf) {
-                                          if constexpr (WGRAD) {
-                                            f32_chunk<CH>(acc, j, buf, warp, lane);
-                                          } else {
-                                            stmatrix_chunk<CH>(acc, j, buf, warp, lane, [](float a, float b) {
-                                              return f32x2_to_bf16x2(a, b);
-                                            });
-                                          }
-                                        });
+
+#pragma unroll
+    for (int u = 0; u < SUBS; ++u) {
+      const float* a = acc[u];
+      const int r0 = c * WG_ROWS + u * 64;  // this 64-row slice's first row within the tile
+      if (t.m0 + r0 >= t.rows || n0 >= N) continue;  // a slice past the edge (or a cluster's spare tile)
+      if constexpr (LAYOUT != LAYOUT_NORMAL) {
+        const int r = r0 + warp * 16 + lane / 4;  // this thread's rows r and r + 8
+        const bool ok0 = row_writable(t, r, info), ok1 = row_writable(t, r + 8, info);
+        if (!named_barrier_all(1 + c, 128, ok0 && ok1)) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if (!(h ? ok1 : ok0)) continue;
+            const i64 row = t.d_row + r + 8 * h;
+#pragma unroll
+            for (int i = 0; i < ACC / 4; ++i) {
+              const int col = n0 + 8 * i + (lane % 4) * 2;
+              if (col >= N) continue;
+              const float x = a[4 * i + 2 * h], y = a[4 * i + 2 * h + 1];
+              if constexpr (WGRAD) {
+                float* p = reinterpret_cast<float*>(d) + row * ld_d + col;
+                atomicAdd(p, x);
+                atomicAdd(p + 1, y);
+              } else {
+                *reinterpret_cast<u32*>(reinterpret_cast<u16*>(d) + row * ld_d + col) = f32x2_to_bf16x2(x, y);
+              }
+            }
+          }
+          continue;
+        }
+      }
+      tma_store_chunks<CHUNKS, CH, WGRAD>(&tm_d, d_smem, CHUNK_BYTES, chunk_seq, n0, t.d_row + r0, tid, 1 + c,
+                                          [&](int j, u8* buf) {
+                                            if constexpr (WGRAD) {
+                                              f32_chunk<CH>(a, j, buf, warp, lane);
+                                            } else {
+                                              stmatrix_chunk<CH>(a, j, buf, warp, lane, [](float x, float y) {
+                                                return f32x2_to_bf16x2(x, y);
+                                              });
+                                            }
+                                          });
+    }
   }
   if (tid == 0) bulk_wait<0>();
 }

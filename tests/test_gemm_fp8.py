@@ -334,3 +334,57 @@ def test_wgrad_accumulates(rng, forced_multicast, mnks, scales, mode):
         else:
             assert _rel_err(got[e], ref) <= 5e-3, e
         start += ke
+
+
+@pytest.fixture
+def forced_tile(monkeypatch):
+    """Run every FP8 GEMM with BM x BN tiles (the heuristic picks the rest)."""
+    def force(bm, bn):
+        orig = f.pick_config
+
+        def pick(m, n, k, props, layout=f.NORMAL, groups=1, max_bm=128):
+            c = orig(m, n, k, props, layout, groups, max_bm)
+            stages = f.max_stages(bm, bn, props.smem_per_block_optin, layout)
+            return f.Fp8Config(bm, bn, stages, f.smem_bytes(bm, bn, stages, layout), c.mcast, c.group_m, layout)
+        monkeypatch.setattr(f, "pick_config", pick)
+        f._plans.clear()
+    yield force
+    f._plans.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_B, g.MCAST_SHARE_A])
+def test_256_row_tiles(rng, forced_multicast, forced_tile, mode):
+    """BM = 256 (two m64 row blocks per consumer): tails in M, N, K, every layout but contiguous."""
+    forced_multicast(mode)
+    forced_tile(256, 128)
+    m, n, k = 300, 264, 1040
+    a, sa, b, sb, ref = _operands(rng, m, n, k)
+    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
+    ck.gemm_fp8(DeviceArray.from_numpy(a), DeviceArray.from_numpy(sa), DeviceArray.from_numpy(b),
+                DeviceArray.from_numpy(sb), out)
+    _check(out, ref)
+    groups, mm = 2, 280
+    masked = np.array([259, 100], np.int32)
+    a3, sa3 = _e4m3(rng, (groups, mm, k)), _scales(rng, (groups, mm, -(-k // 128)))
+    b3, sb3 = _e4m3(rng, (groups, n, k)), _scales(rng, (groups, -(-n // 128), -(-k // 128)))
+    out3 = DeviceArray.empty((groups, mm, n), "bf16").fill_bytes(0xFF)
+    ck.gemm_fp8_grouped_masked(DeviceArray.from_numpy(a3), DeviceArray.from_numpy(sa3), DeviceArray.from_numpy(b3),
+                               DeviceArray.from_numpy(sb3), DeviceArray.from_numpy(masked), out3)
+    got = out3.numpy().astype(np.float64)
+    for e in range(groups):
+        rows = int(masked[e])
+        assert np.isnan(got[e, rows:]).all()
+        assert _rel_err(got[e, :rows], _deq_rows(a3[e, :rows], sa3[e, :rows]) @ _deq_blocks(b3[e], sb3[e]).T) <= 5e-3
+    ks = (256, 0, 384)
+    kt = sum(ks)
+    wa, wsa, wb, wsb = _e4m3(rng, (m, kt)), _scales(rng, (m, kt // 128)), _e4m3(rng, (n, kt)), _scales(rng, (n, kt // 128))
+    d = DeviceArray.from_numpy(np.zeros((3, m, n), np.float32))
+    ck.gemm_fp8_wgrad(DeviceArray.from_numpy(wa), DeviceArray.from_numpy(wsa), DeviceArray.from_numpy(wb),
+                      DeviceArray.from_numpy(wsb), d, ks)
+    got = d.numpy().astype(np.float64)
+    da, db = _deq_rows(wa, wsa), _deq_rows(wb, wsb)
+    assert _rel_err(got[0], da[:, :256] @ db[:, :256].T) <= 5e-3
+    assert (got[1] == 0).all()
+    assert _rel_err(got[2], da[:, 256:] @ db[:, 256:].T) <= 5e-3
+    assert {p.cfg.bm for p in f._plans.values()} == {256}

@@ -40,8 +40,12 @@ class Fp8Config:
     layout: str = NORMAL
 
     @property
+    def consumers(self) -> int:
+        return 1 if self.bm == 64 else 2
+
+    @property
     def threads(self) -> int:
-        return 128 * (self.bm // 64 + 1)
+        return 128 * (self.consumers + 1)
 
     @property
     def cluster(self) -> int:
@@ -65,7 +69,8 @@ def smem_bytes(bm: int, bn: int, stages: int, layout: str = NORMAL) -> int:
     stages_end = stages * (bm * BK + bn * BK + bm * 4 + sb)
     d = -(-stages_end // 1024) * 1024
     ob = _out_bytes(layout)
-    return d + (bm // 64) * 2 * 64 * _chunk(bn, ob) * ob + 16 * stages + ALIGN_SLACK
+    consumers = 1 if bm == 64 else 2
+    return d + consumers * 2 * 64 * _chunk(bn, ob) * ob + 16 * stages + ALIGN_SLACK
 
 
 def max_stages(bm: int, bn: int, budget: int, layout: str = NORMAL) -> int:
