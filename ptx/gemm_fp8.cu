@@ -3,11 +3,11 @@
 // fp32 scale per 128x128 block of B (sB[g * sb_group + nb * sb_row + kb * sb_col], any strides).
 //
 // The structure is gemm.cu's: persistent grid, warpgroup 0 a TMA producer filling a STAGES-deep ring (A, B and
-// this k block's sA column), one or two consumer warpgroups each owning 64 (or 128) rows of the BM x BN tile, grouped tile
-// order, optional 2-CTA clusters with TMA multicast (MCAST 1: pairs along M share B; 2: pairs along N share A),
-// stmatrix + TMA store epilogue. Per 128-deep k block (one scale block) a consumer runs four wgmma m64nBNk32 into
-// a scratch accumulator, waits for them, frees the stage and adds the scratch into its fp32 result scaled by
-// sA (per row) x sB (per 128 columns): FP8 wgmma keeps about 14 mantissa bits, so each scale block is summed
+// this k block's sA column), one or two consumer warpgroups each owning 64 (or 128) rows of the BM x BN tile,
+// grouped tile order, optional 2-CTA clusters with TMA multicast (MCAST 1: pairs along M share B; 2: pairs along
+// N share A), stmatrix + TMA store epilogue. Per 128-deep k block (one scale block) a consumer runs four wgmma
+// m64nBNk32 into a scratch accumulator, waits for them, frees the stage and adds the scratch into its fp32 result
+// scaled by sA (per row) x sB (per 128 columns): FP8 wgmma keeps about 14 mantissa bits, so each scale block is summed
 // by the tensor cores and promoted to fp32 in registers. TMA zero-fills A, B and sA past M, N and K.
 //
 // LAYOUT (`info` is a device int array):
@@ -56,7 +56,9 @@ constexpr bool PER_GROUP_TILES = LAYOUT == LAYOUT_MASKED || LAYOUT == LAYOUT_KGR
 constexpr int SB_BYTES = WGRAD ? BN * 4 : 0;  // this k block's 1x128 scales of B's BN rows
 constexpr int SB_STAGE = (SB_BYTES + 127) / 128 * 128;  // TMA writes shared memory at 128-byte boundaries
 constexpr int OUT_BYTES = WGRAD ? 4 : 2;
-constexpr int CH_MAX = 128 / OUT_BYTES;  // output chunk rows of at most 128 bytes (one swizzle span)
+// Output chunk rows of at most 128 bytes (one swizzle span); 64 with 256-row tiles, whose smaller chunk buffers let
+// a fourth stage fit.
+constexpr int CH_MAX = (BM == 256 ? 64 : 128) / OUT_BYTES;
 constexpr int CH = BN % CH_MAX == 0 ? CH_MAX : BN % 32 == 0 ? 32 : 16;
 constexpr int CHUNKS = BN / CH;
 constexpr int CHUNK_BYTES = 64 * CH * OUT_BYTES;

@@ -56,9 +56,9 @@ def _out_bytes(layout: str) -> int:
     return 4 if layout == KGROUPED else 2
 
 
-def _chunk(bn: int, out_bytes: int = 2) -> int:
-    """Output columns per epilogue chunk (ptx/gemm_fp8.cu CH): rows of at most 128 bytes."""
-    top = 128 // out_bytes
+def _chunk(bn: int, out_bytes: int = 2, bm: int = 128) -> int:
+    """Output columns per epilogue chunk (ptx/gemm_fp8.cu CH): rows of at most 128 bytes (64 for BM = 256)."""
+    top = (64 if bm == 256 else 128) // out_bytes
     return top if bn % top == 0 else 32 if bn % 32 == 0 else 16
 
 
@@ -70,7 +70,7 @@ def smem_bytes(bm: int, bn: int, stages: int, layout: str = NORMAL) -> int:
     d = -(-stages_end // 1024) * 1024
     ob = _out_bytes(layout)
     consumers = 1 if bm == 64 else 2
-    return d + consumers * 2 * 64 * _chunk(bn, ob) * ob + 16 * stages + ALIGN_SLACK
+    return d + consumers * 2 * 64 * _chunk(bn, ob, bm) * ob + 16 * stages + ALIGN_SLACK
 
 
 def max_stages(bm: int, bn: int, budget: int, layout: str = NORMAL) -> int:
@@ -87,16 +87,21 @@ BN_COST = {64: 1.35, 96: 1.27, 128: 1.0, 160: 1.1, 192: 1.05}
 # The weight gradient's promotion also scales each column (1D-1D): 192 columns ran 15-20% faster than 128 on all
 # three benchmark shapes.
 BN_COST_WGRAD = {**BN_COST, 192: 0.85}
+# A 256 x 128 tile against two 128 x 128 ones (same sweep): 7-13% faster with K <= 2048 (fewer tile starts and
+# epilogues, a third less L2 traffic), even with K = 7168 and 16384 (only three stages fit).
+BM256_COST_SHORT_K, BM256_COST = 0.9, 1.02
 
 
 def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = NORMAL, groups: int = 1,
                 max_bm: int = 128) -> Fp8Config:
     """BM 64 for M <= 64 (one consumer warpgroup), else 128 (at most `max_bm`: contiguous groups aligned to 64
-    rows need 64). With several row blocks of 128 (compute-bound) BN is the BN_COST width with the least
-    waves x width x cost; otherwise (memory-bound) a multiple of 16 up to MAX_BN (or N rounded up to 16 when
+    rows need 64). With several row blocks of 128 (compute-bound) the tile is the one with the least
+    waves x width x measured cost among BM 128 with the BN_COST widths and, for the normal GEMM from 512 rows, 256 x
+    128; otherwise (memory-bound) a multiple of 16 up to MAX_BN (or N rounded up to 16 when
     smaller) with the fewest waves, then the fullest last wave, then the widest. Stages fill the shared-memory
     budget; 2-CTA multicast and the tile order as for the BF16 GEMM, but no pairs when there is a single row of
-    tiles (sharing A there saved nothing and cost 3-8% in the sweep). For the masked and K-grouped layouts m is
+    tiles (sharing A there saved nothing and cost 3-8% in the sweep) nor for the weight gradient (pairs ran ~10%
+    slower there). For the masked and K-grouped layouts m is
     one group's rows and the waves count all `groups` groups' tiles."""
     bm = 64 if m <= 64 or max_bm == 64 else 128
     per_group = layout in (MASKED, KGROUPED)
@@ -105,20 +110,26 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     budget = props.smem_per_block_optin
     top = min(MAX_BN, max(16, -(-n // 16) * 16))
     if bm == 128 and tiles_m >= 2 and n > 128:
-        def cost(b):
-            waves = -(-tiles_m * -(-n // b) // props.sm_count)
-            return waves * b * table[b], -b
         table = BN_COST_WGRAD if layout == KGROUPED else BN_COST
-        bn = min((b for b in table if b <= top), key=cost)
+        cands = [(128, b, table[b]) for b in table if b <= top]
+        if layout == NORMAL and m >= 512:
+            cands.append((256, 128, 2 * (BM256_COST_SHORT_K if k <= 4096 else BM256_COST)))
+
+        def cost(c):
+            tbm, tbn, per_tile = c
+            tiles = -(-m_all // tbm) * -(-n // tbn)
+            return -(-tiles // props.sm_count) * tbn / 128 * per_tile, -tbn, tbm
+        bm, bn, _ = min(cands, key=cost)
+        tiles_m = -(-m_all // bm)
     else:
-        cands = [b for b in range(16, top + 1, 16) if max_stages(bm, b, budget, layout) >= 3]
-        bn = _gemm.fewest_waves_bn(m_all, n, bm, cands, props)
+        widths = [b for b in range(16, top + 1, 16) if max_stages(bm, b, budget, layout) >= 3]
+        bn = _gemm.fewest_waves_bn(m_all, n, bm, widths, props)
     stages = max_stages(bm, bn, budget, layout)
     # Tiles paired along M share B: they must be of one group (masked, K-grouped: pairs form within a group, so
     # a group of one row of tiles would pair with an idle spare; contiguous: never).
     share_b = layout == NORMAL or (per_group and -(-m // bm) >= 2)
     mcast = _gemm.MCAST_NONE
-    if _gemm.MULTICAST and tiles_m >= 2:
+    if _gemm.MULTICAST and tiles_m >= 2 and layout != KGROUPED:
         mcast = _gemm.pick_multicast(m_all, n, bm, bn, 1, False, props, share_b)
     group_m = _gemm.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout)
@@ -310,7 +321,7 @@ def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, props) -> 
         sb = _mmajor_plan(sbv, av.device)
         map_sb = (dt.float32, (n, kb), (sb.ld * 4,), (cfg.bn, 1), 0)
     ob = _out_bytes(layout)
-    ch = _chunk(cfg.bn, ob)
+    ch = _chunk(cfg.bn, ob, cfg.bm)
     map_d = (dt.float32 if ob == 4 else dt.bfloat16, (n, dv.shape[0]), (dv.strides[0] * ob,), (ch, 64), ch * ob)
     return _Plan(cfg, launch, grid, map_a, map_b, map_sa, map_sb, map_d, sa, sb, (m, n, k, groups))
 
