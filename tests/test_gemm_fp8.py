@@ -30,18 +30,21 @@ def test_config_fits_and_matches_the_kernel_layout(shape):
 
 
 def test_config_choices():
-    # 4096 rows: 32 row blocks. 7168 / 128 = 56 column blocks: 1792 tiles, 14 waves of 132 at cost 1.0 per 128
-    # columns; 192 wide: 38 x 32 = 1216 tiles, 10 waves x 1.5 x 1.05 = 15.75 -> 128 wins.
+    # 4096 rows, N = 7168 (H100, 132 SMs). 128 x 128: 32 x 56 = 1792 tiles, 14 waves at cost 1.0 a 128-column
+    # tile = 14; 128 x 192: 32 x 38 = 1216 tiles, 10 waves x 1.5 x 1.05 = 15.75; 256 x 128: 16 x 56 = 896 tiles,
+    # 7 waves x 2 x 0.85 = 11.9 -> 256 x 128, pairs along N sharing the 256-row A tile.
     cfg = f.pick_config(4096, 7168, 16384, H100)
-    assert (cfg.bm, cfg.bn, cfg.mcast) == (128, 128, g.MCAST_SHARE_B)
-    # N = 2112: 128 wide is 17 x 32 = 544 tiles, 5 waves (5.0); 192 wide is 11 x 32 = 352 tiles, 3 waves (4.7)
-    assert f.pick_config(4096, 2112, 7168, H100).bn == 192
+    assert (cfg.bm, cfg.bn, cfg.mcast, cfg.stages) == (256, 128, g.MCAST_SHARE_A, 4)
+    # N = 2112: 128 x 192 is 32 x 11 = 352 tiles, 3 waves (4.7); 256 x 128 is 16 x 17 = 272 tiles, 3 waves (5.1)
+    assert (f.pick_config(4096, 2112, 7168, H100).bm, f.pick_config(4096, 2112, 7168, H100).bn) == (128, 192)
     # one row of tiles: memory-bound, fewest waves, no pairs
-    # K <= 4096 from 512 rows: 256 x 128 tiles, 56 x 16 = 896 = 7 waves x 2 x 0.9 = 12.6 against 14 x 1.0
-    assert (f.pick_config(4096, 7168, 2048, H100).bm, f.pick_config(4096, 7168, 2048, H100).bn) == (256, 128)
     small = f.pick_config(128, 7168, 16384, H100)
     assert (small.bn, small.mcast) == (64, g.MCAST_NONE)
     assert f.pick_config(64, 7168, 16384, H100).bm == 64
+    # contiguous: 256-row tiles only when the caller's segments allow them; never pairs
+    assert f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=128).bm == 128
+    cont = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=256)
+    assert (cont.bm, cont.mcast) == (256, g.MCAST_NONE)
 
 
 def _gemm_args(m, n, k, sa_strides=None):
@@ -151,6 +154,22 @@ def forced_multicast(monkeypatch):
     f._plans.clear()
 
 
+@pytest.fixture
+def forced_tile(monkeypatch):
+    """Run every FP8 GEMM with BM x BN tiles (the heuristic picks the rest)."""
+    def force(bm, bn):
+        orig = f.pick_config
+
+        def pick(m, n, k, props, layout=f.NORMAL, groups=1, max_bm=128):
+            c = orig(m, n, k, props, layout, groups, max_bm)
+            stages = f.max_stages(bm, bn, props.smem_per_block_optin, layout)
+            return f.Fp8Config(bm, bn, stages, f.smem_bytes(bm, bn, stages, layout), c.mcast, c.group_m, layout)
+        monkeypatch.setattr(f, "pick_config", pick)
+        f._plans.clear()
+    yield force
+    f._plans.clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [g.MCAST_SHARE_B, g.MCAST_SHARE_A])
 @pytest.mark.parametrize("shape", [(300, 520, 1040), (129, 264, 208), (385, 1000, 144), (1024, 2112, 512)],
@@ -175,7 +194,9 @@ def test_grouped_configs():
         assert f.pick_config(g_ * rows, n, k, H100, f.CONTIGUOUS, g_, max_bm=64).bm == 64
     for g_, rows, n, k in f.BENCH_SHAPES["masked"]:
         cfg = f.pick_config(rows, n, k, H100, f.MASKED, g_)
-        assert cfg.bm == (64 if rows <= 64 else 128)
+        assert cfg.bm == 64 if rows <= 64 else cfg.bm in (128, 256) and cfg.bm <= rows
+        # pairs along M only inside a group: a group of one row of tiles never pairs with a spare
+        assert cfg.mcast != g.MCAST_SHARE_B or -(-rows // cfg.bm) >= 2
     for g_, tokens, m, n in f.BENCH_SHAPES["wgrad"]:
         cfg = f.pick_config(m, n, g_ * tokens, H100, f.KGROUPED, g_)
         # one more 1x128 scale column of B per stage, and fp32 output chunks
@@ -189,7 +210,7 @@ def test_grouped_validation_before_launch():
     b, sb = fake((groups, n, k), "e4m3"), fake((groups, 3, 4), "fp32")
     ids = fake((m,), "int32")
     out = fake((m, n), "bf16")
-    with pytest.raises(ValueError, match="alignment must be 64 or 128"):
+    with pytest.raises(ValueError, match="alignment must be 64, 128 or 256"):
         ck.gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, out, alignment=32)
     with pytest.raises(TypeError, match="m_indices: dtype int64"):
         ck.gemm_fp8_grouped_contiguous(a, sa, b, sb, fake((m,), "int64"), out)
@@ -250,11 +271,12 @@ def _rel_err(got, ref):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("alignment", [128, 64])
+@pytest.mark.parametrize("alignment", [128, 64, 256])
 @pytest.mark.parametrize("nk", [(264, 1040), (2112, 512)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_A])
-def test_grouped_contiguous(rng, forced_multicast, alignment, nk, mode):
+def test_grouped_contiguous(rng, forced_multicast, forced_tile, alignment, nk, mode):
     forced_multicast(mode)
+    forced_tile(alignment, 128)
     n, k = nk
     tokens = [100, 0, 257, alignment, 1]  # per expert; each segment padded to `alignment` rows
     ids = []
@@ -277,7 +299,7 @@ def test_grouped_contiguous(rng, forced_multicast, alignment, nk, mode):
         assert np.isfinite(got[rows]).all(), f"expert {e}: rows not written"
         assert _rel_err(got[rows], ref) <= 5e-3, e
     assert np.isnan(got[ids < 0]).all(), "a padding row was written"
-    assert any(p.cfg.bm == min(alignment, 128) for p in f._plans.values())
+    assert {p.cfg.bm for p in f._plans.values()} == {alignment}
 
 
 @pytest.mark.gpu
@@ -336,22 +358,6 @@ def test_wgrad_accumulates(rng, forced_multicast, mnks, scales, mode):
         else:
             assert _rel_err(got[e], ref) <= 5e-3, e
         start += ke
-
-
-@pytest.fixture
-def forced_tile(monkeypatch):
-    """Run every FP8 GEMM with BM x BN tiles (the heuristic picks the rest)."""
-    def force(bm, bn):
-        orig = f.pick_config
-
-        def pick(m, n, k, props, layout=f.NORMAL, groups=1, max_bm=128):
-            c = orig(m, n, k, props, layout, groups, max_bm)
-            stages = f.max_stages(bm, bn, props.smem_per_block_optin, layout)
-            return f.Fp8Config(bm, bn, stages, f.smem_bytes(bm, bn, stages, layout), c.mcast, c.group_m, layout)
-        monkeypatch.setattr(f, "pick_config", pick)
-        f._plans.clear()
-    yield force
-    f._plans.clear()
 
 
 @pytest.mark.gpu

@@ -87,21 +87,21 @@ BN_COST = {64: 1.35, 96: 1.27, 128: 1.0, 160: 1.1, 192: 1.05}
 # The weight gradient's promotion also scales each column (1D-1D): 192 columns ran 15-20% faster than 128 on all
 # three benchmark shapes.
 BN_COST_WGRAD = {**BN_COST, 192: 0.85}
-# A 256 x 128 tile against two 128 x 128 ones (same sweep): 7-13% faster with K <= 2048 (fewer tile starts and
-# epilogues, a third less L2 traffic), even with K = 7168 and 16384 (only three stages fit).
-BM256_COST_SHORT_K, BM256_COST = 0.9, 1.02
+# A 256 x 128 tile against two 128 x 128 ones: 10-25% faster on the M=4096 shapes, the contiguous and the masked
+# ones from 256 rows a group (a third less L2 traffic per flop: the 128-row main loop is bound by its loads).
+BM256_COST = 0.85
 
 
 def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = NORMAL, groups: int = 1,
                 max_bm: int = 128) -> Fp8Config:
     """BM 64 for M <= 64 (one consumer warpgroup), else 128 (at most `max_bm`: contiguous groups aligned to 64
-    rows need 64). With several row blocks of 128 (compute-bound) the tile is the one with the least
-    waves x width x measured cost among BM 128 with the BN_COST widths and, for the normal GEMM from 512 rows, 256 x
-    128; otherwise (memory-bound) a multiple of 16 up to MAX_BN (or N rounded up to 16 when
+    rows need 64, 256 allows 256-row tiles). With several row blocks of 128 (compute-bound) the tile is the one
+    with the least waves x width x measured cost among BM 128 with the BN_COST widths and 256 x 128 (normal GEMM
+    from 512 rows, masked from 256 rows a group, contiguous with max_bm 256); otherwise (memory-bound) a multiple of 16 up to MAX_BN (or N rounded up to 16 when
     smaller) with the fewest waves, then the fullest last wave, then the widest. Stages fill the shared-memory
     budget; 2-CTA multicast and the tile order as for the BF16 GEMM, but no pairs when there is a single row of
-    tiles (sharing A there saved nothing and cost 3-8% in the sweep) nor for the weight gradient (pairs ran ~10%
-    slower there). For the masked and K-grouped layouts m is
+    tiles (sharing A there saved nothing and cost 3-8% in the sweep) nor for the weight gradient and the
+    contiguous layout (pairs ran 1-12% slower there). For the masked and K-grouped layouts m is
     one group's rows and the waves count all `groups` groups' tiles."""
     bm = 64 if m <= 64 or max_bm == 64 else 128
     per_group = layout in (MASKED, KGROUPED)
@@ -112,8 +112,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     if bm == 128 and tiles_m >= 2 and n > 128:
         table = BN_COST_WGRAD if layout == KGROUPED else BN_COST
         cands = [(128, b, table[b]) for b in table if b <= top]
-        if layout == NORMAL and m >= 512:
-            cands.append((256, 128, 2 * (BM256_COST_SHORT_K if k <= 4096 else BM256_COST)))
+        if (layout == NORMAL and m >= 512) or (layout == MASKED and m >= 256) or max_bm >= 256:
+            cands.append((256, 128, 2 * BM256_COST))
 
         def cost(c):
             tbm, tbn, per_tile = c
@@ -129,7 +129,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     # a group of one row of tiles would pair with an idle spare; contiguous: never).
     share_b = layout == NORMAL or (per_group and -(-m // bm) >= 2)
     mcast = _gemm.MCAST_NONE
-    if _gemm.MULTICAST and tiles_m >= 2 and layout != KGROUPED:
+    if _gemm.MULTICAST and tiles_m >= 2 and layout not in (KGROUPED, CONTIGUOUS):
         mcast = _gemm.pick_multicast(m_all, n, bm, bn, 1, False, props, share_b)
     group_m = _gemm.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout)
@@ -160,8 +160,8 @@ def _bench_configs(props):
     for m, n, k in BENCH_SHAPES["normal"]:
         yield pick_config(m, n, k, props)
     for g, rows, n, k in BENCH_SHAPES["contiguous"]:
-        yield pick_config(g * rows, n, k, props, CONTIGUOUS, g)
-        yield pick_config(g * rows, n, k, props, CONTIGUOUS, g, max_bm=64)
+        for alignment in (64, 128, 256):
+            yield pick_config(g * rows, n, k, props, CONTIGUOUS, g, max_bm=alignment)
     for g, rows, n, k in BENCH_SHAPES["masked"]:
         yield pick_config(rows, n, k, props, MASKED, g)
     for g, tokens, m, n in BENCH_SHAPES["wgrad"]:
@@ -391,14 +391,15 @@ def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment:
 
     a: [M, K] e4m3, sa: [M, ceil(K/128)] fp32, b: [G, N, K] e4m3, sb: [G, ceil(N/128), ceil(K/128)] fp32,
     m_indices: [M] int32 on the GPU, the expert of each row or -1 for a padding row; out: [M, N] bf16.
-    Each expert's segment must start at a multiple of `alignment` rows (128, or 64; 64 runs 64-row tiles), the
-    padding rows of a segment after its tokens. Tiles of padding rows only are skipped entirely (no loads, no
+    Each expert's segment must start at a multiple of `alignment` rows (64, 128 or 256: the largest tile height
+    the kernel may use; 256 lets it run 256-row tiles, 10-15% faster on large groups), the padding rows of a
+    segment after its tokens. Tiles of padding rows only are skipped entirely (no loads, no
     math, no writes); padding rows are never written. Scales as for `gemm_fp8`. Not checked on the host (it would
     need a device sync): a segment that starts off the alignment leaves the rows of its first tile that belong
     to it unwritten.
     """
-    if alignment not in (64, 128):
-        raise ValueError(f"alignment must be 64 or 128 rows, got {alignment}")
+    if alignment not in (64, 128, 256):
+        raise ValueError(f"alignment must be 64, 128 or 256 rows, got {alignment}")
     h = stream_handle(stream)
     av, sav, bv, sbv, iv = (as_array(x, h) for x in (a, sa, b, sb, m_indices))
     require(av, "a", dtypes=(dt.float8_e4m3,), ndim=2)
