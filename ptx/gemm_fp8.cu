@@ -42,9 +42,6 @@
 #ifndef LAYOUT
 #define LAYOUT LAYOUT_NORMAL
 #endif
-#ifndef PINGPONG
-#define PINGPONG 1
-#endif
 
 constexpr int BK = 128;  // e4m3 elements = bytes: one 128-byte swizzle span, four k32 wgmma steps, one scale block
 constexpr int CONSUMERS = BM == 64 ? 1 : 2;
@@ -68,11 +65,6 @@ constexpr int CHUNK_BYTES = 64 * CH * OUT_BYTES;
 constexpr int CLUSTER = MCAST ? 2 : 1;
 constexpr int ACC = BN / 2;  // fp32 accumulator registers per thread for m64nBN
 constexpr int PRODUCER_REGS = 40;
-// Two consumers take turns issuing their wgmma groups (named barriers TURN + c): the tensor pipe then runs one
-// consumer's group while the other waits for its own and promotes it, instead of both finishing together and
-// both promoting while the pipe idles.
-constexpr bool TAKE_TURNS = PINGPONG && CONSUMERS == 2;
-constexpr int TURN = 3;  // barriers 1 and 2 are the consumers' epilogue barriers
 constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : 232;
 static_assert(BM == 64 || BM == 128 || BM == 256, "BM must be 64, 128 or 256");
 static_assert(BM != 256 || BN <= 128, "two result sets of m64nBN and one scratch set must fit 232 registers");
@@ -214,7 +206,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   const int n_blocks = (N + 127) / 128;
   u8* d_smem = smem + SMEM_D + c * 2 * CHUNK_BYTES;
   float acc[SUBS][ACC], part[ACC];
-  if (TAKE_TURNS && c == 1) named_barrier_arrive(TURN, 256);  // consumer 0 goes first
 
   int s = 0;
   u32 phase = 0;
@@ -250,13 +241,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
       for (int u = 0; u < SUBS; ++u) {
         // One m64 row block at a time through the one scratch accumulator (BM = 256: two per k block).
         const u64 da = wgmma_desc_sw128(smem + s * A_STAGE + (c * WG_ROWS + u * 64) * 128);
-        if (TAKE_TURNS) named_barrier(TURN + c, 256);  // my turn: the other consumer issued its group
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < BK / 32; ++k)  // 32 e4m3 = 32 bytes = 2 descriptor units along K
           Wgmma<WgE4m3, BN>::template mma<0>(part, da + 2 * k, db + 2 * k, k != 0);
         wgmma_commit();
-        if (TAKE_TURNS) named_barrier_arrive(TURN + (c ^ 1), 256);  // its turn
         if (u == 0) {
 #pragma unroll
           for (int v = 0; v < SUBS; ++v) {  // rows r and r + 8 of each row block
@@ -340,6 +329,5 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
                                           });
     }
   }
-  if (TAKE_TURNS && c == 0) named_barrier(TURN, 256);  // consume consumer 1's last turn signal
   if (tid == 0) bulk_wait<0>();
 }

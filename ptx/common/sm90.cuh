@@ -227,11 +227,6 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
 }
 
-// Arrive on named barrier `id` without waiting (the other `threads` - arrivals come from threads that sync on it).
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
-}
-
 // named_barrier that also returns whether `pred` holds in every participating thread.
 __device__ __forceinline__ bool named_barrier_all(int id, int threads, bool pred) {
   u32 all;
