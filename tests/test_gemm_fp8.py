@@ -160,7 +160,7 @@ def forced_tile(monkeypatch):
     def force(bm, bn):
         orig = f.pick_config
 
-        def pick(m, n, k, props, layout=f.NORMAL, groups=1, max_bm=128):
+        def pick(m, n, k, props, layout=f.NORMAL, groups=1, max_bm=256):
             c = orig(m, n, k, props, layout, groups, max_bm)
             stages = f.max_stages(bm, bn, props.smem_per_block_optin, layout)
             return f.Fp8Config(bm, bn, stages, f.smem_bytes(bm, bn, stages, layout), c.mcast, c.group_m, layout)

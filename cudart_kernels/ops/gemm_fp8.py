@@ -69,7 +69,7 @@ def smem_bytes(bm: int, bn: int, stages: int, layout: str = NORMAL) -> int:
     stages_end = stages * (bm * BK + bn * BK + bm * 4 + sb)
     d = -(-stages_end // 1024) * 1024
     ob = _out_bytes(layout)
-    consumers = 1 if bm == 64 else 2
+    consumers = 1 if bm == 64 else 2  # Fp8Config.consumers
     return d + consumers * 2 * 64 * _chunk(bn, ob, bm) * ob + 16 * stages + ALIGN_SLACK
 
 
@@ -93,16 +93,18 @@ BM256_COST = 0.85
 
 
 def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = NORMAL, groups: int = 1,
-                max_bm: int = 128) -> Fp8Config:
-    """BM 64 for M <= 64 (one consumer warpgroup), else 128 (at most `max_bm`: contiguous groups aligned to 64
-    rows need 64, 256 allows 256-row tiles). With several row blocks of 128 (compute-bound) the tile is the one
-    with the least waves x width x measured cost among BM 128 with the BN_COST widths and 256 x 128 (normal GEMM
-    from 512 rows, masked from 256 rows a group, contiguous with max_bm 256); otherwise (memory-bound) a multiple of 16 up to MAX_BN (or N rounded up to 16 when
-    smaller) with the fewest waves, then the fullest last wave, then the widest. Stages fill the shared-memory
-    budget; 2-CTA multicast and the tile order as for the BF16 GEMM, but no pairs when there is a single row of
-    tiles (sharing A there saved nothing and cost 3-8% in the sweep) nor for the weight gradient and the
-    contiguous layout (pairs ran 1-12% slower there). For the masked and K-grouped layouts m is
-    one group's rows and the waves count all `groups` groups' tiles."""
+                max_bm: int = 256) -> Fp8Config:
+    """The tile, stages, 2-CTA pairing and tile order for one GEMM (for the masked and K-grouped layouts m is one
+    group's rows and the waves count all `groups` groups' tiles; tiles are at most `max_bm` rows: the contiguous
+    layout's segment alignment).
+
+    BM 64 for M <= 64 (one consumer warpgroup). With several row blocks of 128 (compute-bound), the tile with the
+    least waves x width x measured cost among 128 x (BN_COST widths) and 256 x 128 (normal GEMM from 512 rows,
+    masked from 256 rows a group, contiguous when the segments allow it); otherwise (memory-bound) BM 128 and BN
+    a multiple of 16 up to MAX_BN (or N rounded up to 16) with the fewest waves, then the fullest last wave, then
+    the widest. Stages fill the shared-memory budget. Pairs and tile order as for the BF16 GEMM, but no pairs with
+    a single row of tiles (sharing A there saved nothing and cost 3-8%), for the weight gradient or the
+    contiguous layout (pairs ran 1-12% slower there)."""
     bm = 64 if m <= 64 or max_bm == 64 else 128
     per_group = layout in (MASKED, KGROUPED)
     m_all = groups * -(-m // bm) * bm if per_group else m  # rows that the tile count sees
@@ -112,7 +114,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     if bm == 128 and tiles_m >= 2 and n > 128:
         table = BN_COST_WGRAD if layout == KGROUPED else BN_COST
         cands = [(128, b, table[b]) for b in table if b <= top]
-        if (layout == NORMAL and m >= 512) or (layout == MASKED and m >= 256) or max_bm >= 256:
+        tall = {NORMAL: m >= 512, MASKED: m >= 256, CONTIGUOUS: True, KGROUPED: False}[layout]
+        if tall and max_bm >= 256:
             cands.append((256, 128, 2 * BM256_COST))
 
         def cost(c):
@@ -380,7 +383,7 @@ def gemm_fp8(a, sa, b, sb, out=None, *, stream=None):
     _same_device(av, sa=sav, b=bv, sb=sbv)
     dv = _output(out, (m, n), dt.bfloat16, av.device, h, stream)
     if m and n:
-        _run(NORMAL, av, sav, bv, sbv, dv, (0, sbv.strides[0], sbv.strides[1]), 0, m, n, k, 1, 128, None, h,
+        _run(NORMAL, av, sav, bv, sbv, dv, (0, sbv.strides[0], sbv.strides[1]), 0, m, n, k, 1, 256, None, h,
              stream)
     return dv if out is None else out
 
@@ -436,7 +439,7 @@ def gemm_fp8_grouped_masked(a, sa, b, sb, masked_m, out=None, *, stream=None):
     dv = _output(out, (groups, m, n), dt.bfloat16, av.device, h, stream)
     if m and n and groups:
         _run(MASKED, _flatten(av, "a"), _flatten(sav, "sa"), _flatten(bv, "b"), sbv, _flatten(dv, "out"),
-             sbv.strides, iv.ptr, m, n, k, groups, 128, None, h, stream)
+             sbv.strides, iv.ptr, m, n, k, groups, 256, None, h, stream)
     return dv if out is None else out
 
 
@@ -485,6 +488,6 @@ def gemm_fp8_wgrad(a, sa, b, sb, d, ks, *, stream=None):
     _same_device(av, sa=sav, b=bv, sb=sbv, d=dv)
     if m and n and groups and k:
         offsets = _k_offsets(ks, av.device, stream)
-        _run(KGROUPED, av, sav, bv, sbv, _flatten(dv, "d"), (0, 0, 0), offsets.ptr, m, n, k, groups, 128, ks, h,
+        _run(KGROUPED, av, sav, bv, sbv, _flatten(dv, "d"), (0, 0, 0), offsets.ptr, m, n, k, groups, 256, ks, h,
              stream)
     return d
