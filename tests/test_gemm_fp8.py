@@ -41,10 +41,10 @@ def test_config_choices():
     small = f.pick_config(128, 7168, 16384, H100)
     assert (small.bn, small.mcast) == (64, g.MCAST_NONE)
     assert f.pick_config(64, 7168, 16384, H100).bm == 64
-    # contiguous: 256-row tiles only when the caller's segments allow them; never pairs
+    # contiguous: 256-row tiles only when the caller's segments allow them; pairs along N only
     assert f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=128).bm == 128
     cont = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=256)
-    assert (cont.bm, cont.mcast) == (256, g.MCAST_NONE)
+    assert (cont.bm, cont.mcast) == (256, g.MCAST_SHARE_A)
 
 
 def _gemm_args(m, n, k, sa_strides=None):

@@ -103,8 +103,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     masked from 256 rows a group, contiguous when the segments allow it); otherwise (memory-bound) BM 128 and BN
     a multiple of 16 up to MAX_BN (or N rounded up to 16) with the fewest waves, then the fullest last wave, then
     the widest. Stages fill the shared-memory budget. Pairs and tile order as for the BF16 GEMM, but no pairs with
-    a single row of tiles (sharing A there saved nothing and cost 3-8%), for the weight gradient or the
-    contiguous layout (pairs ran 1-12% slower there)."""
+    a single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
+    there), and contiguous tiles pair along N only (two tiles along M may belong to two experts)."""
     bm = 64 if m <= 64 or max_bm == 64 else 128
     per_group = layout in (MASKED, KGROUPED)
     m_all = groups * -(-m // bm) * bm if per_group else m  # rows that the tile count sees
@@ -132,7 +132,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     # a group of one row of tiles would pair with an idle spare; contiguous: never).
     share_b = layout == NORMAL or (per_group and -(-m // bm) >= 2)
     mcast = _gemm.MCAST_NONE
-    if _gemm.MULTICAST and tiles_m >= 2 and layout not in (KGROUPED, CONTIGUOUS):
+    if _gemm.MULTICAST and tiles_m >= 2 and layout != KGROUPED:
         mcast = _gemm.pick_multicast(m_all, n, bm, bn, 1, False, props, share_b)
     group_m = _gemm.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout)
