@@ -174,6 +174,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
     tma_prefetch_map(&tm_d);
   }
   pipeline_init<MCAST>(full, empty, STAGES, CLUSTER * CONSUMERS * 4);
+  // Launched with programmatic dependent launch: the set-up above overlapped the previous kernel's tail; from
+  // here on we touch global memory that it may have written (or still read).
+  pdl_wait();
+  pdl_launch_dependents();
 
   if (wg == 0) {
     // ---- producer ----

@@ -211,6 +211,16 @@ __device__ __forceinline__ u32 swizzled_offset(int row, int g) {
   }
 }
 
+// ---- programmatic dependent launch (kernels launched with the PDL attribute) -----------------------------------
+// The next kernel in the stream may start (its prologue overlaps this grid's tail); it still waits in pdl_wait.
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// Wait until the previous kernel in the stream has completed and its writes are visible (returns at once when
+// there is none, or the launch had no PDL attribute). Before any global read or write.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 // ---- warp specialisation -----------------------------------------------------------------------------------------
 template <int REGS>
 __device__ __forceinline__ void regs_increase() {
