@@ -187,6 +187,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     tma_prefetch_map(&tm_out);
   }
   pipeline_init<MCAST>(full, empty, STAGES, CLUSTER * CONSUMERS * 4);
+  pdl_wait();  // programmatic dependent launch: the previous kernel's writes (and reads) are done from here on
 
   if (wg == 0) {
     // ---- producer ----
@@ -212,6 +213,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
         if (++s == STAGES) { s = 0; phase ^= 1; }
       }
     }
+    pdl_launch_dependents();  // all loads issued: the next kernel may start its set-up where SMs free up
     producer_drain<MCAST>(empty, s, phase, STAGES);
     return;
   }

@@ -177,7 +177,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   // Launched with programmatic dependent launch: the set-up above overlapped the previous kernel's tail; from
   // here on we touch global memory that it may have written (or still read).
   pdl_wait();
-  pdl_launch_dependents();
 
   if (wg == 0) {
     // ---- producer ----
@@ -199,6 +198,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
         if (++s == STAGES) { s = 0; phase ^= 1; }
       }
     }
+    pdl_launch_dependents();  // all loads issued: the next kernel may start its set-up where SMs free up
     producer_drain<MCAST>(empty, s, phase, STAGES);
     return;
   }

@@ -42,6 +42,9 @@ _DRAM_LATENCY_US = 4.0         # a stage's load under load, when B streams from 
 _PARTIAL_BYTES_PER_S = 1.1e12  # fp32 partials reduce-added in L2 (fitted)
 _FINISH_US_PER_32_COLS = 0.17  # the last split's finalisation, per 32 columns of a 64-row slice (fitted)
 _CLOSE = 1.05                  # estimates this close to the best: take the widest tile, then the most units
+# Programmatic dependent launch of the GEMM kernels (gemm.cu, gemm_fp8.cu): a kernel's set-up (barriers, tensor
+# maps, cluster sync) overlaps the previous kernel's tail in the stream; it waits for it before touching memory.
+PDL = True
 
 
 @dataclass(frozen=True)
@@ -400,7 +403,7 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, props) -> _P
     c_dtype = cv.dtype if (cv is not None and not accumulate) else None
     defines = _defines(av.dtype, dv.dtype, cfg, epi, c_dtype, det, b_kn)
     launch = get_launcher("gemm.cu", "gemm_kernel", defines, av.device, _ARGS, (cfg.threads,), cfg.smem,
-                          cluster=(cfg.cluster, 1, 1) if cfg.mcast else None)
+                          cluster=(cfg.cluster, 1, 1) if cfg.mcast else None, pdl=PDL)
     tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
     grid = persistent_grid(launch, m, n, cfg.bm, cfg.bn, cfg.mcast, cfg.splits, cfg.smem, props)
     it = av.dtype.itemsize

@@ -27,9 +27,6 @@ _ARGS = ("tmap", "tmap", "tmap", "tmap", "tmap", "ptr", "i64", "i64", "i64", "pt
 NORMAL, CONTIGUOUS, MASKED, KGROUPED = "LAYOUT_NORMAL", "LAYOUT_CONTIGUOUS", "LAYOUT_MASKED", "LAYOUT_KGROUPED"
 _CONVERT_ARGS = ("ptr", "i64", "i64", "ptr", "i64", "i32", "i32")
 _CONVERT_THREADS = 256
-# Programmatic dependent launch: a GEMM's prologue (barriers, tensor maps, cluster sync) overlaps the previous
-# kernel's tail in the stream (ptx/gemm_fp8.cu waits for it before touching global memory).
-PDL = True
 
 
 @dataclass(frozen=True)
@@ -312,7 +309,7 @@ def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, props) -> 
     """av / bv / sav / dv are the 2D views the maps read; m, n, k, groups the kernel's arguments."""
     cfg = pick_config(m, n, k, props, layout, groups, max_bm)
     launch = get_launcher("gemm_fp8.cu", "gemm_fp8_kernel", _defines(cfg), av.device, _ARGS, (cfg.threads,),
-                          cfg.smem, cluster=(cfg.cluster, 1, 1) if cfg.mcast else None, pdl=PDL)
+                          cfg.smem, cluster=(cfg.cluster, 1, 1) if cfg.mcast else None, pdl=_gemm.PDL)
     m_all = groups * -(-m // cfg.bm) * cfg.bm if layout in (MASKED, KGROUPED) else m
     grid = _gemm.persistent_grid(launch, m_all, n, cfg.bm, cfg.bn, cfg.mcast, 1, cfg.smem, props)
     kb = -(-k // 128)
