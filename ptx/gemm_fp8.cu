@@ -198,8 +198,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
         if (++s == STAGES) { s = 0; phase ^= 1; }
       }
     }
-    pdl_launch_dependents();  // all loads issued: the next kernel may start its set-up where SMs free up
-    producer_drain<MCAST>(empty, s, phase, STAGES);
+    producer_finish<MCAST>(empty, s, phase, STAGES);
     return;
   }
 

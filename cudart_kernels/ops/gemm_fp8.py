@@ -41,7 +41,7 @@ class Fp8Config:
 
     @property
     def consumers(self) -> int:
-        return 1 if self.bm == 64 else 2
+        return _consumers(self.bm)
 
     @property
     def threads(self) -> int:
@@ -50,6 +50,11 @@ class Fp8Config:
     @property
     def cluster(self) -> int:
         return 2 if self.mcast else 1
+
+
+def _consumers(bm: int) -> int:
+    """Consumer warpgroups of a BM-row tile (ptx/gemm_fp8.cu CONSUMERS)."""
+    return 1 if bm == 64 else 2
 
 
 def _out_bytes(layout: str) -> int:
@@ -69,8 +74,7 @@ def smem_bytes(bm: int, bn: int, stages: int, layout: str = NORMAL) -> int:
     stages_end = stages * (bm * BK + bn * BK + bm * 4 + sb)
     d = -(-stages_end // 1024) * 1024
     ob = _out_bytes(layout)
-    consumers = 1 if bm == 64 else 2  # Fp8Config.consumers
-    return d + consumers * 2 * 64 * _chunk(bn, ob, bm) * ob + 16 * stages + ALIGN_SLACK
+    return d + _consumers(bm) * 2 * 64 * _chunk(bn, ob, bm) * ob + 16 * stages + ALIGN_SLACK
 
 
 def max_stages(bm: int, bn: int, budget: int, layout: str = NORMAL) -> int:

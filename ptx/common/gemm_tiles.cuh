@@ -120,10 +120,12 @@ __device__ __forceinline__ void pipeline_init(u64* full, u64* empty, int stages,
   }
 }
 
-// Producer, after its last load under multicast: wait until both CTAs released every stage, so that no remote
-// arrival still targets this CTA when it exits.
+// Producer, after its last load: release the next kernel in the stream (programmatic dependent launch: it may
+// start its set-up where SMs free up), then, under multicast, wait until both CTAs released every stage, so that
+// no remote arrival still targets this CTA when it exits.
 template <int PAIRING>
-__device__ __forceinline__ void producer_drain(u64* empty, int s, u32 phase, int stages) {
+__device__ __forceinline__ void producer_finish(u64* empty, int s, u32 phase, int stages) {
+  pdl_launch_dependents();
   if constexpr (PAIRING != 0) {
     for (int i = 0; i < stages; ++i) {
       mbar_wait(&empty[s], phase ^ 1);
