@@ -28,7 +28,12 @@
 // through the one scratch accumulator: a 256-row tile reads a third less from L2 per flop than a 128-row one,
 // and the main loop of the 128-row tiles is bound by those reads (docs/perf-notes.md).
 //
-// Compile-time parameters: BM (64, 128, 256), BN (16..192, step 16; 256 rows: up to 128), STAGES, MCAST, LAYOUT.
+// BN > 192 (up to 256, BM 64 or 128): a scratch set of BN columns next to the result would not fit the registers,
+// so each k block runs as two halves of BN / 2 columns through one scratch set of BN / 2, with A's fragments loaded
+// once per k block into registers (ldmatrix) and used by both halves: A is read from shared memory once, as with
+// one wgmma of BN columns, not once per half.
+//
+// Compile-time parameters: BM (64, 128, 256), BN (16..256, step 16; 256 rows: up to 128), STAGES, MCAST, LAYOUT.
 #include "common/gemm_tiles.cuh"
 #include "common/wgmma_ops.cuh"
 
@@ -47,6 +52,9 @@ constexpr int BK = 128;  // e4m3 elements = bytes: one 128-byte swizzle span, fo
 constexpr int CONSUMERS = BM == 64 ? 1 : 2;
 constexpr int WG_ROWS = BM / CONSUMERS;  // rows of the tile per consumer warpgroup: 64, or 128 when BM = 256
 constexpr int SUBS = WG_ROWS / 64;       // m64 wgmma row blocks per consumer
+constexpr bool A_IN_REGS = BN > 192;
+constexpr int HALVES = A_IN_REGS ? 2 : 1;  // column halves per k block (A from registers)
+constexpr int PART_N = BN / HALVES;        // columns of one wgmma (the scratch accumulator)
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int A_STAGE = BM * BK;
 constexpr int B_STAGE = BN * BK;
@@ -56,9 +64,9 @@ constexpr bool PER_GROUP_TILES = LAYOUT == LAYOUT_MASKED || LAYOUT == LAYOUT_KGR
 constexpr int SB_BYTES = WGRAD ? BN * 4 : 0;  // this k block's 1x128 scales of B's BN rows
 constexpr int SB_STAGE = (SB_BYTES + 127) / 128 * 128;  // TMA writes shared memory at 128-byte boundaries
 constexpr int OUT_BYTES = WGRAD ? 4 : 2;
-// Output chunk rows of at most 128 bytes (one swizzle span); 64 with 256-row tiles, whose smaller chunk buffers let
-// a fourth stage fit.
-constexpr int CH_MAX = (BM == 256 ? 64 : 128) / OUT_BYTES;
+// Output chunk rows of at most 128 bytes (one swizzle span); 64 with 256-row or 256-column tiles, whose smaller
+// chunk buffers let a fourth stage fit.
+constexpr int CH_MAX = (BM == 256 || A_IN_REGS ? 64 : 128) / OUT_BYTES;
 constexpr int CH = BN % CH_MAX == 0 ? CH_MAX : BN % 32 == 0 ? 32 : 16;
 constexpr int CHUNKS = BN / CH;
 constexpr int CHUNK_BYTES = 64 * CH * OUT_BYTES;
@@ -68,7 +76,7 @@ constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : 232;
 static_assert(BM == 64 || BM == 128 || BM == 256, "BM must be 64, 128 or 256");
 static_assert(BM != 256 || BN <= 128, "two result sets of m64nBN and one scratch set must fit 232 registers");
-static_assert(BN % 16 == 0 && BN >= 16 && BN <= 192, "BN must be a multiple of 16 in 16..192");
+static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "BN must be a multiple of 16 in 16..256");
 static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0) || (MCAST == 2 && BM % 128 == 0),
               "multicast halves must be whole 8-row swizzle atoms");
 static_assert(!(LAYOUT == LAYOUT_CONTIGUOUS && MCAST == 1), "tiles paired along M may belong to different groups");
@@ -88,8 +96,20 @@ constexpr int SMEM_SB = SMEM_SA + STAGES * SA_STAGE;
 constexpr int SMEM_D = (SMEM_SB + STAGES * SB_STAGE + 1023) / 1024 * 1024;
 constexpr int SMEM_BARS = SMEM_D + CONSUMERS * 2 * CHUNK_BYTES;  // then 2 x STAGES mbarriers
 
-// tm_a / tm_b: boxes {128, BM} / {128, BN} (halves under multicast), 128-byte swizzle; tm_sa: the M-major scales
-// of A as a [K/128][M] fp32 tensor, box {BM, 1}; tm_d: D in bf16, box {CH, 64}, swizzle CH * 2.
+// One k block of 128 (four k32 steps, 32 e4m3 = 32 bytes = 2 descriptor units along K) into `part`, with A from
+// shared memory (da) or from registers (REGS).
+template <bool REGS, int N>
+__device__ __forceinline__ void qgmma_k_block(float (&part)[N], const u32 (&a)[BK / 32][4], u64 da, u64 db) {
+#pragma unroll
+  for (int k = 0; k < BK / 32; ++k) {
+    if constexpr (REGS) {
+      WgmmaRegA<WgE4m3, 2 * N>::mma(part, a[k], db + 2 * k, k != 0);
+    } else {
+      Wgmma<WgE4m3, 2 * N>::template mma<0>(part, da + 2 * k, db + 2 * k, k != 0);
+    }
+  }
+}
+
 // One tile of work: where its operands and output live and which k blocks it sums.
 struct Tile {
   int m0, n0;        // tile origin in D's rows of its group and D's columns
@@ -208,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   const int warp = tid / 32, lane = tid % 32;
   const int n_blocks = (N + 127) / 128;
   u8* d_smem = smem + SMEM_D + c * 2 * CHUNK_BYTES;
-  float acc[SUBS][ACC], part[ACC];
+  float acc[SUBS][ACC], part[PART_N / 2];
 
   int s = 0;
   u32 phase = 0;
@@ -236,18 +256,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
       const float scale_b2 = !WGRAD && SB_BLOCKS > 2 ? __ldg(sbk + sb_next2) : 0.f;
       sbk += sb_col;
       mbar_wait(&full[s], phase);
-      const u64 db = wgmma_desc_sw128(smem + SMEM_B + s * B_STAGE);
       const float* sa_stage = reinterpret_cast<const float*>(smem + SMEM_SA + s * SA_STAGE) + c * WG_ROWS + warp * 16;
       const float* sb_stage = reinterpret_cast<const float*>(smem + SMEM_SB + s * SB_STAGE) + (lane % 4) * 2;
       float scale_a[SUBS][2];
+      u32 a_frag[BK / 32][4];  // A_IN_REGS: this warp's 16 rows of A, one x4 matrix set per k32 step
+      if constexpr (A_IN_REGS) {
+        // Rows 16 warp + {0..7, 8..15} x 16-byte granules {2k, 2k + 1} of the 128-byte swizzled rows (granule
+        // g of row r sits at g ^ (r % 8)); lane i addresses row i % 8 of matrix i / 8.
+        const int row = c * 64 + warp * 16 + (lane / 8 % 2) * 8 + lane % 8;
+        const u8* a_row = smem + s * A_STAGE + row * 128;
 #pragma unroll
-      for (int u = 0; u < SUBS; ++u) {
-        // One m64 row block at a time through the one scratch accumulator (BM = 256: two per k block).
-        const u64 da = wgmma_desc_sw128(smem + s * A_STAGE + (c * WG_ROWS + u * 64) * 128);
+        for (int k = 0; k < BK / 32; ++k) ldmatrix_x4(a_frag[k], a_row + (((2 * k + lane / 16) ^ (lane % 8)) << 4));
+      }
+#pragma unroll
+      for (int u = 0; u < SUBS * HALVES; ++u) {
+        // One m64 row block (BM = 256: two per k block) or column half (A_IN_REGS) at a time through the one
+        // scratch accumulator.
+        const int sub = A_IN_REGS ? 0 : u, half = A_IN_REGS ? u : 0;
+        const u64 db = wgmma_desc_sw128(smem + SMEM_B + s * B_STAGE + half * PART_N * 128);
         wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < BK / 32; ++k)  // 32 e4m3 = 32 bytes = 2 descriptor units along K
-          Wgmma<WgE4m3, BN>::template mma<0>(part, da + 2 * k, db + 2 * k, k != 0);
+        qgmma_k_block<A_IN_REGS>(part, a_frag, wgmma_desc_sw128(smem + s * A_STAGE + (c * WG_ROWS + sub * 64) * 128),
+                                 db);
         wgmma_commit();
         if (u == 0) {
 #pragma unroll
@@ -258,24 +287,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
         }
         wgmma_wait<0>();
         fence_registers(part);
-        const bool last = u == SUBS - 1;
+        if constexpr (A_IN_REGS) fence_registers(a_frag);
+        const bool last = u == SUBS * HALVES - 1;
         if (!WGRAD && last) {
           if (lane == 0) release_stage<MCAST>(&empty[s], rank);  // sA was read above: the stage is done
         }
-        float* a = acc[u];
+        float* a = acc[sub] + half * (PART_N / 2);
 #pragma unroll
-        for (int i = 0; i < ACC / 4; ++i) {
-          float sx0, sy0, sx1, sy1;  // scales of this thread's 2 x 2 elements of column group i
-          if constexpr (WGRAD) {  // per-column scales of B: columns 8 i + 2 (lane % 4) + {0, 1}
-            const float2 scale_b = *reinterpret_cast<const float2*>(sb_stage + 8 * i);
-            sx0 = scale_a[u][0] * scale_b.x, sy0 = scale_a[u][0] * scale_b.y;
-            sx1 = scale_a[u][1] * scale_b.x, sy1 = scale_a[u][1] * scale_b.y;
+        for (int i = 0; i < PART_N / 8; ++i) {
+          const int col = 8 * (i + half * (PART_N / 8));  // first column of this column group in the tile
+          float sx0, sy0, sx1, sy1;  // scales of this thread's 2 x 2 elements of the column group
+          if constexpr (WGRAD) {  // per-column scales of B: columns col + 2 (lane % 4) + {0, 1}
+            const float2 scale_b = *reinterpret_cast<const float2*>(sb_stage + col);
+            sx0 = scale_a[sub][0] * scale_b.x, sy0 = scale_a[sub][0] * scale_b.y;
+            sx1 = scale_a[sub][1] * scale_b.x, sy1 = scale_a[sub][1] * scale_b.y;
           } else {
-            const float scale_b = SB_BLOCKS > 2 && 8 * i >= first_next + 128 ? scale_b2
-                                  : SB_BLOCKS > 1 && 8 * i >= first_next     ? scale_b1
-                                                                             : scale_b0;
-            sx0 = sy0 = scale_a[u][0] * scale_b;
-            sx1 = sy1 = scale_a[u][1] * scale_b;
+            const float scale_b = SB_BLOCKS > 2 && col >= first_next + 128 ? scale_b2
+                                  : SB_BLOCKS > 1 && col >= first_next     ? scale_b1
+                                                                           : scale_b0;
+            sx0 = sy0 = scale_a[sub][0] * scale_b;
+            sx1 = sy1 = scale_a[sub][1] * scale_b;
           }
           a[4 * i] += part[4 * i] * sx0;
           a[4 * i + 1] += part[4 * i + 1] * sy0;

@@ -18,7 +18,8 @@ from . import gemm as _gemm
 from .quantize import mmajor_stride
 
 BK = 128                 # k per stage: 128 e4m3 bytes, one scale block
-MAX_BN = 192             # two fp32 accumulator sets (scratch and result) must fit the consumer's registers
+MAX_BN = 256             # above 192 a k block runs as two column halves through one scratch set (A in registers)
+MAX_BN_MEMORY_BOUND = 192  # one wave of 256-wide tiles ran 10-25% slower than two of 128 (docs/perf-notes.md)
 MAX_STAGES = 12
 ALIGN_SLACK = 1024
 _ARGS = ("tmap", "tmap", "tmap", "tmap", "tmap", "ptr", "i64", "i64", "i64", "ptr", "ptr", "i64", "i32", "i32",
@@ -62,8 +63,9 @@ def _out_bytes(layout: str) -> int:
 
 
 def _chunk(bn: int, out_bytes: int = 2, bm: int = 128) -> int:
-    """Output columns per epilogue chunk (ptx/gemm_fp8.cu CH): rows of at most 128 bytes (64 for BM = 256)."""
-    top = (64 if bm == 256 else 128) // out_bytes
+    """Output columns per epilogue chunk (ptx/gemm_fp8.cu CH): rows of at most 128 bytes (64 for BM = 256 or
+    BN > 192)."""
+    top = (64 if bm == 256 or bn > 192 else 128) // out_bytes
     return top if bn % top == 0 else 32 if bn % 32 == 0 else 16
 
 
@@ -86,8 +88,9 @@ def max_stages(bm: int, bn: int, budget: int, layout: str = NORMAL) -> int:
 
 # Relative cost of a 128-row tile per column, by BN, measured on H200 for the M=4096 benchmark shapes
 # (docs/perf-notes.md): 128 and 192 are the efficient widths (a tile meets one or two scale blocks of B; 160, 96
-# meet two or three, and narrow tiles spend more of each k block on promotion and A reads).
-BN_COST = {64: 1.35, 96: 1.27, 128: 1.0, 160: 1.1, 192: 1.05}
+# meet two or three, and narrow tiles spend more of each k block on promotion and A reads). 256 columns (A from
+# registers): 5-8% faster than 128 on the contiguous shapes, 3-5% slower than 256 x 128 tiles on M = 4096.
+BN_COST = {64: 1.35, 96: 1.27, 128: 1.0, 160: 1.1, 192: 1.05, 256: 0.9}
 # The weight gradient's promotion also scales each column (1D-1D): 192 columns ran 15-20% faster than 128 on all
 # three benchmark shapes.
 BN_COST_WGRAD = {**BN_COST, 192: 0.85}
@@ -105,8 +108,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     BM 64 for M <= 64 (one consumer warpgroup). With several row blocks of 128 (compute-bound), the tile with the
     least waves x width x measured cost among 128 x (BN_COST widths) and 256 x 128 (normal GEMM from 512 rows,
     masked from 256 rows a group, contiguous when the segments allow it); otherwise (memory-bound) BM 128 and BN
-    a multiple of 16 up to MAX_BN (or N rounded up to 16) with the fewest waves, then the fullest last wave, then
-    the widest. Stages fill the shared-memory budget. Pairs and tile order as for the BF16 GEMM, but no pairs with
+    a multiple of 16 up to MAX_BN_MEMORY_BOUND (or N rounded up to 16) with the fewest waves, then the fullest
+    last wave, then the widest. Stages fill the shared-memory budget. Pairs and tile order as for the BF16 GEMM, but no pairs with
     a single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
     there), and contiguous tiles pair along N only (two tiles along M may belong to two experts)."""
     bm = 64 if m <= 64 or max_bm == 64 else 128
@@ -129,7 +132,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         bm, bn, _ = min(cands, key=cost)
         tiles_m = -(-m_all // bm)
     else:
-        widths = [b for b in range(16, top + 1, 16) if max_stages(bm, b, budget, layout) >= 3]
+        widths = [b for b in range(16, min(top, MAX_BN_MEMORY_BOUND) + 1, 16)
+                  if max_stages(bm, b, budget, layout) >= 3]
         bn = _gemm.fewest_waves_bn(m_all, n, bm, widths, props)
     stages = max_stages(bm, bn, budget, layout)
     # Tiles paired along M share B: they must be of one group (masked, K-grouped: pairs form within a group, so

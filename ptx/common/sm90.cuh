@@ -185,12 +185,28 @@ __device__ __forceinline__ void fence_registers(float (&r)[R]) {
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
 }
 
+// The same for wgmma's A fragments in registers: they must stay untouched until the wgmma that reads them is done.
+template <int R, int C>
+__device__ __forceinline__ void fence_registers(u32 (&r)[R][C]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int j = 0; j < C; ++j) asm volatile("" : "+r"(r[i][j]) :: "memory");
+}
+
 // ---- epilogue: registers -> shared --------------------------------------------------------------------------------
 // Four 8x8 matrices of 16-bit pairs: lane i gives the row address for row i % 8 of matrix i / 8, and register j
 // holds this lane's pair (row lane / 4, columns 2 * (lane % 4) + {0, 1}) of matrix j: the wgmma accumulator layout.
 __device__ __forceinline__ void stmatrix_x4(void* row_addr, u32 r0, u32 r1, u32 r2, u32 r3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
                :: "r"(smem_u32(row_addr)), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
+// The inverse: lane i gives the address of row i % 8 of matrix i / 8; r[j] receives this lane's 4 bytes (row
+// lane / 4, bytes 4 * (lane % 4) .. + 3) of matrix j (wgmma's register layout of an 8-bit A operand, m64k32).
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* row_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(row_addr)) : "memory");
 }
 
 // Two matrices; lanes 0..15 give the row addresses.
