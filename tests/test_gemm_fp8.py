@@ -22,7 +22,7 @@ def fake(shape, dtype, strides=None):
 def test_config_fits_and_matches_the_kernel_layout(shape):
     m, n, k = shape
     cfg = f.pick_config(m, n, k, H100)
-    assert cfg.bm == 64 if m <= 64 else cfg.bm in (128, 256)
+    assert cfg.bm == 64 if m <= 64 else cfg.bm in ((64, 128) if m <= 128 else (128, 256))
     assert cfg.bn % 16 == 0 and 16 <= cfg.bn <= (128 if cfg.bm == 256 else f.MAX_BN)
     assert 3 <= cfg.stages <= f.MAX_STAGES
     assert cfg.smem == f.smem_bytes(cfg.bm, cfg.bn, cfg.stages) <= H100.smem_per_block_optin
@@ -39,7 +39,11 @@ def test_config_choices():
     assert (f.pick_config(4096, 2112, 7168, H100).bm, f.pick_config(4096, 2112, 7168, H100).bn) == (128, 192)
     # one row of tiles: memory-bound, fewest waves, no pairs
     small = f.pick_config(128, 7168, 16384, H100)
-    assert (small.bn, small.mcast) == (64, g.MCAST_NONE)
+    assert (small.bm, small.bn, small.mcast) == (128, 64, g.MCAST_NONE)
+    # ... unless 64-row tiles stream much less per CTA: 128 x 16 tiles (144 rows of K per CTA) -> 64 x 32 (96)
+    narrow = f.pick_config(128, 2112, 7168, H100)
+    assert (narrow.bm, narrow.bn, narrow.mcast) == (64, 32, g.MCAST_NONE)
+    assert (f.pick_config(128, 4096, 7168, H100).bm, f.pick_config(128, 4096, 7168, H100).bn) == (64, 64)
     assert f.pick_config(64, 7168, 16384, H100).bm == 64
     # contiguous: 256-row tiles only when the caller's segments allow them; pairs along N only
     # 128-row segments: 128 x 256 tiles (A from registers; 5-8% faster than 128 x 128 there), pairs along N

@@ -99,6 +99,23 @@ BN_COST_WGRAD = {**BN_COST, 192: 0.85}
 BM256_COST = 0.85
 
 
+# A narrow 128-row tile re-reads A's 128 rows for few columns of B; 64-row tiles of up to this many columns are
+# taken instead when they stream at most this fraction of the shared memory fill per CTA (measured on M = 128:
+# 2112 columns 64x32 vs 128x16 13.6 vs 15.5 us, 4096 columns 64x64 vs 128x32 16.5 vs 17.9 us; one consumer promotes
+# without a second one to hide it, so wider 64-row tiles lost: 128x7168x16384 64x112 51.7 vs 128x64 44.4 us).
+NARROW_ROWS_MAX_BN = 64
+NARROW_ROWS_GAIN = 0.85
+
+
+def _narrow_rows(m: int, n: int, bn: int, props: DeviceProperties) -> tuple:
+    """For one row of 128-row tiles (M <= 128, memory-bound): (BM, BN), 64-row tiles when they cut the bytes each
+    CTA streams (waves x (BM + BN) rows of K) by NARROW_ROWS_GAIN or more."""
+    def fill(bm, b):
+        return -(-(-(-m // bm) * -(-n // b)) // props.sm_count) * (bm + b)
+    best = min(range(16, NARROW_ROWS_MAX_BN + 1, 16), key=lambda b: (fill(64, b), -b))
+    return (64, best) if fill(64, best) <= NARROW_ROWS_GAIN * fill(128, bn) else (128, bn)
+
+
 def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = NORMAL, groups: int = 1,
                 max_bm: int = 256) -> Fp8Config:
     """The tile, stages, 2-CTA pairing and tile order for one GEMM (for the masked and K-grouped layouts m is one
@@ -109,7 +126,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     least waves x width x measured cost among 128 x (BN_COST widths) and 256 x 128 (normal GEMM from 512 rows,
     masked from 256 rows a group, contiguous when the segments allow it); otherwise (memory-bound) BM 128 and BN
     a multiple of 16 up to MAX_BN_MEMORY_BOUND (or N rounded up to 16) with the fewest waves, then the fullest
-    last wave, then the widest. Stages fill the shared-memory budget. Pairs and tile order as for the BF16 GEMM, but no pairs with
+    last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_narrow_rows`). Stages
+    fill the shared-memory budget. Pairs and tile order as for the BF16 GEMM, but no pairs with
     a single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
     there), and contiguous tiles pair along N only (two tiles along M may belong to two experts)."""
     bm = 64 if m <= 64 or max_bm == 64 else 128
@@ -135,6 +153,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         widths = [b for b in range(16, min(top, MAX_BN_MEMORY_BOUND) + 1, 16)
                   if max_stages(bm, b, budget, layout) >= 3]
         bn = _gemm.fewest_waves_bn(m_all, n, bm, widths, props)
+        if layout == NORMAL and bm == 128 and tiles_m == 1:
+            bm, bn = _narrow_rows(m, n, bn, props)  # tiles_m stays 1: no pairs (measured without)
     stages = max_stages(bm, bn, budget, layout)
     # Tiles paired along M share B: they must be of one group (masked, K-grouped: pairs form within a group, so
     # a group of one row of tiles would pair with an idle spare; contiguous: never).
