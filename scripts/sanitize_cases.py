@@ -62,6 +62,16 @@ for mode in (g.MCAST_NONE, g.MCAST_SHARE_B, g.MCAST_SHARE_A):
         d = ck.gemm_fp8(qa, scales, qb, sb)
         assert {p.cfg.mcast for p in f._plans.values()} == {mode}
         assert np.abs(d.numpy().astype(np.float64) - ref8).max() < 2e-2 * np.abs(ref8).max(), mode
+# Tiles of more than 192 columns (two column halves, A from registers), 128 and 64 rows.
+pick = f.pick_config
+for bm in (128, 64):
+    f.pick_config = lambda m, n, k, props, layout=f.NORMAL, groups=1, max_bm=256, bm=bm: f.Fp8Config(
+        bm, 256, 4, f.smem_bytes(bm, 256, 4, layout), g.MCAST_NONE, 1, layout)
+    f._plans.clear()
+    d = ck.gemm_fp8(qa, sa, qb, sb)
+    assert np.abs(d.numpy().astype(np.float64) - ref8).max() < 2e-2 * np.abs(ref8).max(), bm
+f.pick_config = pick
+f._plans.clear()
 print("gemm_fp8 sanitize cases ran")
 
 # The grouped layouts and the weight gradient, one small case each (tails, padding rows, masked rows, an empty
