@@ -7,12 +7,15 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent.parent / "ptx" / "common" / "wgmma_ops.cuh"
 
 
+def _acc_operands(regs: int) -> list:
+    """The accumulator registers as read-write asm operands, eight a line."""
+    return ["        " + ", ".join(f'"+f"(d[{j}])' for j in range(i, min(regs, i + 8))) for i in range(0, regs, 8)]
+
+
 def wrapper(n: int, ptx_type: str, name: str, k: int = 16, transposable: bool = True) -> str:
     regs = n // 2
     acc = ", ".join(f"%{i}" for i in range(regs))
-    operands = []
-    for i in range(0, regs, 8):
-        operands.append("        " + ", ".join(f'"+f"(d[{j}])' for j in range(i, min(regs, i + 8))))
+    operands = _acc_operands(regs)
     if transposable:  # scale-a, scale-b, transpose-a (0: K-major), transpose-b
         tail = f'        "%{regs}, %{regs + 1}, p, 1, 1, 0, %{regs + 3};\\n}}\\n"\n'
         inputs = '        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B));\n'
@@ -42,9 +45,7 @@ def wrapper_rs(n: int) -> str:
     """m64nNk32 e4m3 with A from registers (four 32-bit registers a thread: its rows' 4-byte K groups)."""
     regs = n // 2
     acc = ", ".join(f"%{i}" for i in range(regs))
-    operands = []
-    for i in range(0, regs, 8):
-        operands.append("        " + ", ".join(f'"+f"(d[{j}])' for j in range(i, min(regs, i + 8))))
+    operands = _acc_operands(regs)
     return (
         f"template <> struct WgmmaRegA<WgE4m3, {n}> {{\n"
         f"  __device__ __forceinline__ static void mma(float (&d)[{regs}], const u32 (&a)[4], u64 desc_b, u32 accumulate) {{\n"

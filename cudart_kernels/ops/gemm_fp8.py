@@ -111,7 +111,8 @@ def _narrow_rows(m: int, n: int, bn: int, props: DeviceProperties) -> tuple:
     """For one row of 128-row tiles (M <= 128, memory-bound): (BM, BN), 64-row tiles when they cut the bytes each
     CTA streams (waves x (BM + BN) rows of K) by NARROW_ROWS_GAIN or more."""
     def fill(bm, b):
-        return -(-(-(-m // bm) * -(-n // b)) // props.sm_count) * (bm + b)
+        tiles = -(-m // bm) * -(-n // b)
+        return -(-tiles // props.sm_count) * (bm + b)
     best = min(range(16, NARROW_ROWS_MAX_BN + 1, 16), key=lambda b: (fill(64, b), -b))
     return (64, best) if fill(64, best) <= NARROW_ROWS_GAIN * fill(128, bn) else (128, bn)
 
