@@ -186,7 +186,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     tma_prefetch_map(&tm_b);
     tma_prefetch_map(&tm_out);
   }
-  pipeline_init<MCAST>(full, empty, STAGES, CLUSTER * CONSUMERS * 4);
+  pipeline_init<MCAST != 0>(full, empty, STAGES, CLUSTER * CONSUMERS * 4);
   pdl_wait();  // programmatic dependent launch: the previous kernel's writes (and reads) are done from here on
 
   if (wg == 0) {

@@ -33,7 +33,14 @@
 // once per k block into registers (ldmatrix) and used by both halves: A is read from shared memory once, as with
 // one wgmma of BN columns, not once per half.
 //
-// Compile-time parameters: BM (64, 128, 256), BN (16..256, step 16; 256 rows: up to 128), STAGES, MCAST, LAYOUT.
+// KSPLIT > 1 (split-K, normal layout, BM <= 128, no multicast): clusters of KSPLIT CTAs, one per K slice of the
+// same tile, each CTA one tile (the grid is tiles x KSPLIT CTAs, all resident). After the main loop the partials
+// are summed through distributed shared memory (`cluster_split_sum`: fixed order, bitwise reproducible), each CTA
+// writing 1 / KSPLIT of the tile's rows with direct bf16 stores. For M <= 128 a tile streams all of A's rows
+// for a few columns of B; splitting K gives each CTA a KSPLIT-th of both (docs/perf-notes.md).
+//
+// Compile-time parameters: BM (64, 128, 256), BN (16..256, step 16; 256 rows: up to 128), STAGES, MCAST, LAYOUT,
+// KSPLIT.
 #include "common/gemm_tiles.cuh"
 #include "common/wgmma_ops.cuh"
 
@@ -46,6 +53,9 @@
 #define LAYOUT_KGROUPED 3
 #ifndef LAYOUT
 #define LAYOUT LAYOUT_NORMAL
+#endif
+#ifndef KSPLIT
+#define KSPLIT 1
 #endif
 
 constexpr int BK = 128;  // e4m3 elements = bytes: one 128-byte swizzle span, four k32 wgmma steps, one scale block
@@ -70,7 +80,7 @@ constexpr int CH_MAX = (BM == 256 || A_IN_REGS ? 64 : 128) / OUT_BYTES;
 constexpr int CH = BN % CH_MAX == 0 ? CH_MAX : BN % 32 == 0 ? 32 : 16;
 constexpr int CHUNKS = BN / CH;
 constexpr int CHUNK_BYTES = 64 * CH * OUT_BYTES;
-constexpr int CLUSTER = MCAST ? 2 : 1;
+constexpr int CLUSTER = MCAST ? 2 : KSPLIT;
 constexpr int ACC = BN / 2;  // fp32 accumulator registers per thread for m64nBN
 constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : 232;
@@ -80,6 +90,8 @@ static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "BN must be a multiple of 1
 static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0) || (MCAST == 2 && BM % 128 == 0),
               "multicast halves must be whole 8-row swizzle atoms");
 static_assert(!(LAYOUT == LAYOUT_CONTIGUOUS && MCAST == 1), "tiles paired along M may belong to different groups");
+static_assert(KSPLIT == 1 || (KSPLIT <= 8 && MCAST == 0 && LAYOUT == LAYOUT_NORMAL && BM <= 128),
+              "split-K: normal layout, at most 128 rows, no multicast, a portable cluster");
 
 // A tile starts at a multiple of BN, so it crosses at most SB_BLOCKS 128-column scale blocks of B: with
 // g = gcd(BN, 128) (the lowest set bit of BN, at most 128) its first column sits at most 128 - g into a block
@@ -94,7 +106,8 @@ constexpr int SMEM_B = STAGES * A_STAGE;
 constexpr int SMEM_SA = SMEM_B + STAGES * B_STAGE;
 constexpr int SMEM_SB = SMEM_SA + STAGES * SA_STAGE;
 constexpr int SMEM_D = (SMEM_SB + STAGES * SB_STAGE + 1023) / 1024 * 1024;
-constexpr int SMEM_BARS = SMEM_D + CONSUMERS * 2 * CHUNK_BYTES;  // then 2 x STAGES mbarriers
+constexpr int SMEM_BARS = SMEM_D + CONSUMERS * 2 * CHUNK_BYTES;  // then 2 x STAGES mbarriers (+ 4 with KSPLIT)
+static_assert(KSPLIT == 1 || CONSUMERS * 64 * SPLIT_ROW(BN) * 4 <= SMEM_BARS, "split-K partials reuse the stages");
 
 // One k block of 128 (four k32 steps, 32 e4m3 = 32 bytes = 2 descriptor units along K) into `part`, with A from
 // shared memory (da) or from registers (REGS).
@@ -152,6 +165,11 @@ __device__ __forceinline__ Tile tile_of(int unit, int per_group, int cl_tiles_m,
     t.skip = t.kb1 <= t.kb0;
     t.d_row = g * M + t.m0;
   }
+  if constexpr (KSPLIT > 1) {  // this CTA's slice of K (cluster rank = slice)
+    const int blocks = t.kb1;
+    t.kb0 = int(rank) * blocks / KSPLIT;
+    t.kb1 = (int(rank) + 1) * blocks / KSPLIT;
+  }
   return t;
 }
 
@@ -175,6 +193,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   u8* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   u64* full = reinterpret_cast<u64*>(smem + SMEM_BARS);
   u64* empty = full + STAGES;
+  u64* split_bars = empty + STAGES;  // KSPLIT: ready and done of each consumer
 
   const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
   const int cl_tiles_m = MCAST == 1 ? (tiles_m + 1) / 2 : tiles_m;
@@ -182,7 +201,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   const int per_group = cl_tiles_m * cl_tiles_n;
   const int units = PER_GROUP_TILES ? groups * per_group : per_group;
   const int first_unit = blockIdx.x / CLUSTER, unit_step = gridDim.x / CLUSTER;
-  const u32 rank = MCAST ? cluster_rank() : 0;
+  const u32 rank = CLUSTER > 1 ? cluster_rank() : 0;
   const int wg = threadIdx.x / 128;
   const int tid = threadIdx.x % 128;
 
@@ -193,7 +212,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
     if (WGRAD) tma_prefetch_map(&tm_sb);
     tma_prefetch_map(&tm_d);
   }
-  pipeline_init<MCAST>(full, empty, STAGES, CLUSTER * CONSUMERS * 4);
+  if (KSPLIT > 1 && threadIdx.x == 0) {
+    for (int i = 0; i < 2 * CONSUMERS; ++i) mbar_init(&split_bars[i], KSPLIT - 1);
+  }
+  pipeline_init<(CLUSTER > 1)>(full, empty, STAGES, (MCAST ? 2 : 1) * CONSUMERS * 4);
   // Launched with programmatic dependent launch: the set-up above overlapped the previous kernel's tail; from
   // here on we touch global memory that it may have written (or still read).
   pdl_wait();
@@ -321,6 +343,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
       if (++s == STAGES) { s = 0; phase ^= 1; }
     }
 
+#if KSPLIT > 1
+    if constexpr (CONSUMERS > 1) named_barrier(3, 256);  // both consumers are done with the stages
+    if (t.m0 + c * 64 < M && n0 < N) {  // (the same for the whole cluster: one tile)
+      cluster_split_sum<KSPLIT, BN>(acc[0], reinterpret_cast<float*>(smem) + c * 64 * SPLIT_ROW(BN),
+                                    &split_bars[2 * c], &split_bars[2 * c + 1], rank, tid, 1 + c,
+                                    [&](int r, int col, f32x4 v) {
+                                      const int row = t.m0 + c * 64 + r;
+                                      if (row < M && n0 + col < N)  // N % 8 == 0: 4 columns wholly in or out
+                                        *reinterpret_cast<u32x2*>(reinterpret_cast<u16*>(d) + i64(row) * ld_d +
+                                                                  n0 + col) =
+                                            u32x2{f32x2_to_bf16x2(v.x, v.y), f32x2_to_bf16x2(v.z, v.w)};
+                                    });
+    }
+#else
 #pragma unroll
     for (int u = 0; u < SUBS; ++u) {
       const float* a = acc[u];
@@ -362,6 +398,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
                                             }
                                           });
     }
+#endif
   }
   if (tid == 0) bulk_wait<0>();
 }

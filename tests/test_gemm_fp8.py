@@ -25,8 +25,12 @@ def test_config_fits_and_matches_the_kernel_layout(shape):
     assert cfg.bm == 64 if m <= 64 else cfg.bm in ((64, 128) if m <= 128 else (128, 256))
     assert cfg.bn % 16 == 0 and 16 <= cfg.bn <= (128 if cfg.bm == 256 else f.MAX_BN)
     assert 3 <= cfg.stages <= f.MAX_STAGES
-    assert cfg.smem == f.smem_bytes(cfg.bm, cfg.bn, cfg.stages) <= H100.smem_per_block_optin
-    assert cfg.stages == f.MAX_STAGES or f.smem_bytes(cfg.bm, cfg.bn, cfg.stages + 1) > H100.smem_per_block_optin
+    assert cfg.smem == f.smem_bytes(cfg.bm, cfg.bn, cfg.stages, f.NORMAL, cfg.splits) <= H100.smem_per_block_optin
+    assert cfg.stages == f.MAX_STAGES or (f.smem_bytes(cfg.bm, cfg.bn, cfg.stages + 1, f.NORMAL, cfg.splits)
+                                          > H100.smem_per_block_optin)
+    if cfg.splits > 1:  # one wave of (tile, split) units, every CTA of a cluster on one tile
+        assert cfg.mcast == g.MCAST_NONE and cfg.bm <= 128 and cfg.cluster == cfg.splits
+        assert -(-m // cfg.bm) * -(-n // cfg.bn) * cfg.splits <= H100.sm_count
 
 
 def test_config_choices():
@@ -41,9 +45,16 @@ def test_config_choices():
     small = f.pick_config(128, 7168, 16384, H100)
     assert (small.bm, small.bn, small.mcast) == (128, 64, g.MCAST_NONE)
     # ... unless 64-row tiles stream much less per CTA: 128 x 16 tiles (144 rows of K per CTA) -> 64 x 32 (96)
-    narrow = f.pick_config(128, 2112, 7168, H100)
-    assert (narrow.bm, narrow.bn, narrow.mcast) == (64, 32, g.MCAST_NONE)
-    assert (f.pick_config(128, 4096, 7168, H100).bm, f.pick_config(128, 4096, 7168, H100).bn) == (64, 64)
+    narrow = f.pick_config(128, 4096, 7168, H100)
+    assert (narrow.bm, narrow.bn, narrow.mcast, narrow.splits) == (64, 64, g.MCAST_NONE, 1)
+    # split-K in two when it cuts the fill to 2/3 or less: 128 x 2112 x 7168, 64 x 32 tiles (132 tiles, 96 rows
+    # of 7168 a CTA) -> 64 x 64 tiles, two K halves (66 x 2 units, 128 rows of 3584)
+    split = f.pick_config(128, 2112, 7168, H100)
+    assert (split.bm, split.bn, split.splits, split.cluster) == (64, 64, 2, 2)
+    assert (f.pick_config(64, 2112, 7168, H100).bn, f.pick_config(64, 2112, 7168, H100).splits) == (32, 2)
+    # ... but not with a short K (the fixed costs win) or a large B (DRAM-bound either way)
+    assert f.pick_config(128, 7168, 2048, H100).splits == 1
+    assert f.pick_config(64, 7168, 16384, H100).splits == 1
     assert f.pick_config(64, 7168, 16384, H100).bm == 64
     # contiguous: 256-row tiles only when the caller's segments allow them; pairs along N only
     # 128-row segments: 128 x 256 tiles (A from registers; 5-8% faster than 128 x 128 there), pairs along N
@@ -403,3 +414,44 @@ def test_tall_and_wide_tiles(rng, forced_multicast, forced_tile, mode, tile):
     assert (got[1] == 0).all()
     assert _rel_err(got[2], da[:, 256:] @ db[:, 256:].T) <= 5e-3
     assert {(p.cfg.bm, p.cfg.bn) for p in f._plans.values()} == {tile}
+
+
+@pytest.fixture
+def forced_split(monkeypatch):
+    """Run every normal FP8 GEMM as split-K over clusters of `splits` CTAs with BM x BN tiles."""
+    def force(bm, bn, splits):
+        def pick(m, n, k, props, layout=f.NORMAL, groups=1, max_bm=256):
+            stages = f.max_stages(bm, bn, props.smem_per_block_optin - 64, layout)
+            return f.Fp8Config(bm, bn, stages, f.smem_bytes(bm, bn, stages, layout, splits), g.MCAST_NONE, 1,
+                               layout, splits)
+        monkeypatch.setattr(f, "pick_config", pick)
+        f._plans.clear()
+    yield force
+    f._plans.clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(64, 32, 2), (64, 64, 4), (128, 64, 3), (128, 128, 2), (64, 16, 8),
+                                  (128, 256, 2), (128, 176, 4)], ids=lambda t: f"{t[0]}x{t[1]}s{t[2]}")
+@pytest.mark.parametrize("shape", [(128, 520, 2064), (77, 264, 1040), (1, 136, 384), (200, 1000, 4112)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_split_k(rng, forced_split, tile, shape):
+    """Split-K through the cluster's shared memory: tails in M, N, K; K blocks that do not divide by the splits
+    (1 x 136 x 384 with 4 or 8 splits: some CTAs get no k block); bitwise the same on a second run."""
+    forced_split(*tile)
+    m, n, k = shape
+    a, sa, b, sb, ref = _operands(rng, m, n, k)
+    args = [DeviceArray.from_numpy(x) for x in (a, sa, b, sb)]
+    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
+    ck.gemm_fp8(*args, out)
+    _check(out, ref)
+    first = out.numpy().view(np.uint16).copy()
+    out.fill_bytes(0xFF)
+    ck.gemm_fp8(*args, out)
+    assert np.array_equal(out.numpy().view(np.uint16), first)
+    plan, = f._plans.values()
+    tiles = -(-m // tile[0]) * -(-n // tile[1])
+    if plan.cfg.splits == 1:  # more tiles than clusters of this size fit at once: the plan falls back
+        assert tiles * tile[2] > 64, "a split this small always fits"
+    else:
+        assert plan.cfg.splits == tile[2] and plan.grid == (tiles * tile[2], 1, 1)

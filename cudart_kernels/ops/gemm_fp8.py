@@ -6,7 +6,7 @@ accumulated into an fp32 D. One kernel, ptx/gemm_fp8.cu, compiled per layout."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -39,6 +39,7 @@ class Fp8Config:
     mcast: int = _gemm.MCAST_NONE  # 2-CTA pairs along M (sharing B) or along N (sharing A)
     group_m: int = 1               # cluster-tile rows per group of the tile order
     layout: str = NORMAL
+    splits: int = 1                # split-K: a cluster of `splits` CTAs per tile, one K slice each
 
     @property
     def consumers(self) -> int:
@@ -50,7 +51,7 @@ class Fp8Config:
 
     @property
     def cluster(self) -> int:
-        return 2 if self.mcast else 1
+        return 2 if self.mcast else self.splits
 
 
 def _consumers(bm: int) -> int:
@@ -69,14 +70,15 @@ def _chunk(bn: int, out_bytes: int = 2, bm: int = 128) -> int:
     return top if bn % top == 0 else 32 if bn % 32 == 0 else 16
 
 
-def smem_bytes(bm: int, bn: int, stages: int, layout: str = NORMAL) -> int:
+def smem_bytes(bm: int, bn: int, stages: int, layout: str = NORMAL, splits: int = 1) -> int:
     """Mirror of ptx/gemm_fp8.cu's layout: A, B, sA (and for the weight gradient sB) stages, the output chunks from
-    a 1024-byte boundary, two barriers per stage, alignment slack."""
+    a 1024-byte boundary, two barriers per stage (and two per consumer for split-K), alignment slack."""
     sb = -(-bn * 4 // 128) * 128 if layout == KGROUPED else 0  # each stage's at a 128-byte boundary
     stages_end = stages * (bm * BK + bn * BK + bm * 4 + sb)
     d = -(-stages_end // 1024) * 1024
     ob = _out_bytes(layout)
-    return d + _consumers(bm) * 2 * 64 * _chunk(bn, ob, bm) * ob + 16 * stages + ALIGN_SLACK
+    split_bars = 16 * _consumers(bm) if splits > 1 else 0
+    return d + _consumers(bm) * 2 * 64 * _chunk(bn, ob, bm) * ob + 16 * stages + split_bars + ALIGN_SLACK
 
 
 def max_stages(bm: int, bn: int, budget: int, layout: str = NORMAL) -> int:
@@ -105,16 +107,43 @@ BM256_COST = 0.85
 # without a second one to hide it, so wider 64-row tiles lost: 128x7168x16384 64x112 51.7 vs 128x64 44.4 us).
 NARROW_ROWS_MAX_BN = 64
 NARROW_ROWS_GAIN = 0.85
+# Split-K in two (a 2-CTA cluster per tile, one K half each) when it cuts each CTA's fill to this fraction or less
+# and B is small enough that the fill, not DRAM, bounds the time (H100, same run: 64x2112x7168 11.0 vs 12.9 us,
+# 128x2112x7168 12.6 vs 13.7; 64x4096x7168 even, 15.5 vs 15.4; B of 117 MB (N x K = 7168 x 16384) streams at
+# DRAM speed either way; 3 to 8 splits and wider tiles lost, docs/perf-notes.md).
+SPLIT_GAIN = 0.67
+SPLIT_MAX_B_BYTES = 32 << 20
+SPLIT_MIN_K = 4096  # K = 2048 lost (64x7168x2048 11.1 vs 9.2 us): 8 k blocks a split do not cover the fixed costs
 
 
-def _narrow_rows(m: int, n: int, bn: int, props: DeviceProperties) -> tuple:
-    """For one row of 128-row tiles (M <= 128, memory-bound): (BM, BN), 64-row tiles when they cut the bytes each
-    CTA streams (waves x (BM + BN) rows of K) by NARROW_ROWS_GAIN or more."""
-    def fill(bm, b):
-        tiles = -(-m // bm) * -(-n // b)
-        return -(-tiles // props.sm_count) * (bm + b)
-    best = min(range(16, NARROW_ROWS_MAX_BN + 1, 16), key=lambda b: (fill(64, b), -b))
-    return (64, best) if fill(64, best) <= NARROW_ROWS_GAIN * fill(128, bn) else (128, bn)
+def _fill(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: DeviceProperties) -> float:
+    """Bytes each CTA streams into shared memory: waves of (tile x split) units, (BM + BN) x K / splits each."""
+    units = -(-m // bm) * -(-n // bn) * splits
+    return -(-units // props.sm_count) * (bm + bn) * k / splits
+
+
+def _small_m(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties) -> tuple:
+    """For one row of BM x BN tiles (M <= 128, memory-bound): (BM, BN, splits). For BM = 128, 64-row tiles when
+    they cut the fill per CTA by NARROW_ROWS_GAIN or more; then a 2-way split-K (one wave of units: every cluster
+    resident) when it cuts the fill by SPLIT_GAIN, K is at least SPLIT_MIN_K and B at most SPLIT_MAX_B_BYTES."""
+    best = (bm, bn)
+    if bm == 128:
+        narrow = min(range(16, NARROW_ROWS_MAX_BN + 1, 16), key=lambda b: (_fill(m, n, k, 64, b, 1, props), -b))
+        if _fill(m, n, k, 64, narrow, 1, props) <= NARROW_ROWS_GAIN * _fill(m, n, k, 128, bn, 1, props):
+            best = (64, narrow)
+    if n * k > SPLIT_MAX_B_BYTES or k < SPLIT_MIN_K:
+        return best + (1,)
+    split = []
+    for bm in (64, 128) if m > 64 else (64,):
+        widths = [b for b in range(16, MAX_BN_MEMORY_BOUND + 1, 16) if -(-m // bm) * -(-n // b) * 2 <= props.sm_count]
+        if widths:
+            b = min(widths)
+            split.append((_fill(m, n, k, bm, b, 2, props), -b, bm, b))
+    if split:
+        fill, _, bm, b = min(split)
+        if fill <= SPLIT_GAIN * _fill(m, n, k, *best, 1, props):
+            return bm, b, 2
+    return best + (1,)
 
 
 def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = NORMAL, groups: int = 1,
@@ -132,6 +161,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     a single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
     there), and contiguous tiles pair along N only (two tiles along M may belong to two experts)."""
     bm = 64 if m <= 64 or max_bm == 64 else 128
+    splits = 1
     per_group = layout in (MASKED, KGROUPED)
     m_all = groups * -(-m // bm) * bm if per_group else m  # rows that the tile count sees
     tiles_m = -(-m_all // bm)
@@ -154,9 +184,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         widths = [b for b in range(16, min(top, MAX_BN_MEMORY_BOUND) + 1, 16)
                   if max_stages(bm, b, budget, layout) >= 3]
         bn = _gemm.fewest_waves_bn(m_all, n, bm, widths, props)
-        if layout == NORMAL and bm == 128 and tiles_m == 1:
-            bm, bn = _narrow_rows(m, n, bn, props)  # tiles_m stays 1: no pairs (measured without)
-    stages = max_stages(bm, bn, budget, layout)
+        if layout == NORMAL and tiles_m == 1:
+            bm, bn, splits = _small_m(m, n, k, bm, bn, props)  # tiles_m stays 1: no pairs (measured without)
+    stages = max_stages(bm, bn, budget - (16 * _consumers(bm) if splits > 1 else 0), layout)
     # Tiles paired along M share B: they must be of one group (masked, K-grouped: pairs form within a group, so
     # a group of one row of tiles would pair with an idle spare; contiguous: never).
     share_b = layout == NORMAL or (per_group and -(-m // bm) >= 2)
@@ -164,7 +194,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     if _gemm.MULTICAST and tiles_m >= 2 and layout != KGROUPED:
         mcast = _gemm.pick_multicast(m_all, n, bm, bn, 1, False, props, share_b)
     group_m = _gemm.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
-    return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout)
+    return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout, splits), mcast, group_m, layout, splits)
 
 
 def _defines(cfg: Fp8Config) -> dict:
@@ -173,6 +203,8 @@ def _defines(cfg: Fp8Config) -> dict:
         d["MCAST"] = cfg.mcast
     if cfg.layout != NORMAL:
         d["LAYOUT"] = cfg.layout
+    if cfg.splits > 1:
+        d["KSPLIT"] = cfg.splits
     return d
 
 
@@ -334,13 +366,25 @@ _plans: dict = {}
 _plans_lock = threading.Lock()
 
 
+def _launcher(cfg: Fp8Config, device: int):
+    return get_launcher("gemm_fp8.cu", "gemm_fp8_kernel", _defines(cfg), device, _ARGS, (cfg.threads,), cfg.smem,
+                        cluster=(cfg.cluster, 1, 1) if cfg.cluster > 1 else None, pdl=_gemm.PDL)
+
+
 def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, props) -> _Plan:
     """av / bv / sav / dv are the 2D views the maps read; m, n, k, groups the kernel's arguments."""
     cfg = pick_config(m, n, k, props, layout, groups, max_bm)
-    launch = get_launcher("gemm_fp8.cu", "gemm_fp8_kernel", _defines(cfg), av.device, _ARGS, (cfg.threads,),
-                          cfg.smem, cluster=(cfg.cluster, 1, 1) if cfg.mcast else None, pdl=_gemm.PDL)
+    launch = _launcher(cfg, av.device)
     m_all = groups * -(-m // cfg.bm) * cfg.bm if layout in (MASKED, KGROUPED) else m
-    grid = _gemm.persistent_grid(launch, m_all, n, cfg.bm, cfg.bn, cfg.mcast, 1, cfg.smem, props)
+    if cfg.splits > 1:
+        tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
+        if tiles > launch.max_active_clusters():  # the one-tile-per-CTA kernel needs every cluster resident
+            cfg = replace(cfg, splits=1, smem=smem_bytes(cfg.bm, cfg.bn, cfg.stages, layout))
+            launch = _launcher(cfg, av.device)
+    if cfg.splits > 1:
+        grid = (tiles * cfg.splits, 1, 1)
+    else:
+        grid = _gemm.persistent_grid(launch, m_all, n, cfg.bm, cfg.bn, cfg.mcast, 1, cfg.smem, props)
     kb = -(-k // 128)
     a_box = cfg.bm // 2 if cfg.mcast == _gemm.MCAST_SHARE_A else cfg.bm
     b_box = cfg.bn // 2 if cfg.mcast == _gemm.MCAST_SHARE_B else cfg.bn

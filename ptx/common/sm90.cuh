@@ -125,6 +125,33 @@ __device__ __forceinline__ void mbar_arrive_cluster(u64* bar, u32 rank) {
                :: "r"(smem_u32(bar)), "r"(rank) : "memory");
 }
 
+// Address of `p`'s counterpart in the shared memory of the cluster's CTA `rank` (possibly this one).
+__device__ __forceinline__ u32 dsmem_addr(const void* p, u32 rank) {
+  u32 r;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_u32(p)), "r"(rank));
+  return r;
+}
+
+// As mbar_arrive_cluster with a cluster-scope release: what this thread wrote (and what it observed before) is
+// visible to a thread whose mbar_wait_cluster sees the phase complete.
+__device__ __forceinline__ void mbar_arrive_cluster_release(u64* bar, u32 rank) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(dsmem_addr(bar, rank))
+               : "memory");
+}
+
+// mbar_wait with a cluster-scope acquire (pairs with mbar_arrive_cluster_release from other CTAs).
+__device__ __forceinline__ void mbar_wait_cluster(u64* bar, u32 parity) {
+  const u32 a = smem_u32(bar);
+  u32 done = 0;
+  while (!done) {
+    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+                 "selp.u32 %0, 1, 0, p;\n\t}"
+                 : "=r"(done) : "r"(a), "r"(parity) : "memory");
+  }
+}
+
+__device__ __forceinline__ void fence_acq_rel_cluster() { asm volatile("fence.acq_rel.cluster;" ::: "memory"); }
+
 // ---- inter-CTA signalling (split-K counters) --------------------------------------------------------------------
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
@@ -151,6 +178,14 @@ __device__ __forceinline__ f32x4 ld_cg_f32x4(const float* p) {
   f32x4 v;
   asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
                : "l"(p) : "memory");
+  return v;
+}
+
+// 16 bytes from distributed shared memory (an address from dsmem_addr).
+__device__ __forceinline__ f32x4 ld_dsmem_f32x4(u32 addr) {
+  f32x4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr) : "memory");
   return v;
 }
 
