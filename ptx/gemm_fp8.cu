@@ -34,7 +34,8 @@
 // one wgmma of BN columns, not once per half.
 //
 // KSPLIT > 1 (split-K, normal layout, BM <= 128, no multicast): clusters of KSPLIT CTAs, one per K slice of the
-// same tile, each CTA one tile (the grid is tiles x KSPLIT CTAs, all resident). After the main loop the partials
+// same tile, each CTA one tile (the grid is tiles x KSPLIT CTAs; a cluster waits only on its own CTAs, which the
+// hardware runs together, so clusters beyond those resident just run later). After the main loop the partials
 // are summed through distributed shared memory (`cluster_split_sum`: fixed order, bitwise reproducible), each CTA
 // writing 1 / KSPLIT of the tile's rows with direct bf16 stores. For M <= 128 a tile streams all of A's rows
 // for a few columns of B; splitting K gives each CTA a KSPLIT-th of both (docs/perf-notes.md).

@@ -125,7 +125,7 @@ def _fill(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: DevicePr
 def _small_m(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties) -> tuple:
     """For one row of BM x BN tiles (M <= 128, memory-bound): (BM, BN, splits). For BM = 128, 64-row tiles when
     they cut the fill per CTA by NARROW_ROWS_GAIN or more; then a 2-way split-K (one wave of units: every cluster
-    resident) when it cuts the fill by SPLIT_GAIN, K is at least SPLIT_MIN_K and B at most SPLIT_MAX_B_BYTES."""
+    at once) when it cuts the fill by SPLIT_GAIN, K is at least SPLIT_MIN_K and B at most SPLIT_MAX_B_BYTES."""
     best = (bm, bn)
     if bm == 128:
         narrow = min(range(16, NARROW_ROWS_MAX_BN + 1, 16), key=lambda b: (_fill(m, n, k, 64, b, 1, props), -b))
@@ -135,7 +135,8 @@ def _small_m(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties) 
         return best + (1,)
     split = []
     for bm in (64, 128) if m > 64 else (64,):
-        widths = [b for b in range(16, MAX_BN_MEMORY_BOUND + 1, 16) if -(-m // bm) * -(-n // b) * 2 <= props.sm_count]
+        widths = [b for b in range(16, MAX_BN_MEMORY_BOUND + 1, 16)
+                  if -(-m // bm) * -(-n // b) * 2 <= props.sm_count]
         if widths:
             b = min(widths)
             split.append((_fill(m, n, k, bm, b, 2, props), -b, bm, b))
@@ -378,7 +379,7 @@ def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, props) -> 
     m_all = groups * -(-m // cfg.bm) * cfg.bm if layout in (MASKED, KGROUPED) else m
     if cfg.splits > 1:
         tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
-        if tiles > launch.max_active_clusters():  # the one-tile-per-CTA kernel needs every cluster resident
+        if tiles > launch.max_active_clusters():  # clusters that do not fit at once would run in a second round
             cfg = replace(cfg, splits=1, smem=smem_bytes(cfg.bm, cfg.bn, cfg.stages, layout))
             launch = _launcher(cfg, av.device)
     if cfg.splits > 1:
