@@ -107,7 +107,7 @@ constexpr int SMEM_B = STAGES * A_STAGE;
 constexpr int SMEM_SA = SMEM_B + STAGES * B_STAGE;
 constexpr int SMEM_SB = SMEM_SA + STAGES * SA_STAGE;
 constexpr int SMEM_D = (SMEM_SB + STAGES * SB_STAGE + 1023) / 1024 * 1024;
-constexpr int SMEM_BARS = SMEM_D + CONSUMERS * 2 * CHUNK_BYTES;  // then 2 x STAGES mbarriers (+ 4 with KSPLIT)
+constexpr int SMEM_BARS = SMEM_D + CONSUMERS * 2 * CHUNK_BYTES;  // then 2 x STAGES mbarriers
 static_assert(KSPLIT == 1 || CONSUMERS * 64 * SPLIT_ROW(BN) * 4 <= SMEM_BARS, "split-K partials reuse the stages");
 
 // One k block of 128 (four k32 steps, 32 e4m3 = 32 bytes = 2 descriptor units along K) into `part`, with A from
@@ -194,7 +194,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   u8* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   u64* full = reinterpret_cast<u64*>(smem + SMEM_BARS);
   u64* empty = full + STAGES;
-  u64* split_bars = empty + STAGES;  // KSPLIT: ready and done of each consumer
 
   const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
   const int cl_tiles_m = MCAST == 1 ? (tiles_m + 1) / 2 : tiles_m;
@@ -213,9 +212,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
     if (WGRAD) tma_prefetch_map(&tm_sb);
     tma_prefetch_map(&tm_d);
   }
-  if (KSPLIT > 1 && threadIdx.x == 0) {
-    for (int i = 0; i < 2 * CONSUMERS; ++i) mbar_init(&split_bars[i], KSPLIT - 1);
-  }
   pipeline_init<(CLUSTER > 1)>(full, empty, STAGES, (MCAST ? 2 : 1) * CONSUMERS * 4);
   // Launched with programmatic dependent launch: the set-up above overlapped the previous kernel's tail; from
   // here on we touch global memory that it may have written (or still read).
@@ -224,24 +220,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   if (wg == 0) {
     // ---- producer ----
     regs_decrease<PRODUCER_REGS>();
-    if (tid != 0) return;
-    int s = 0;
-    u32 phase = 0;
-    for (int unit = first_unit; unit < units; unit += unit_step) {
-      const Tile t = tile_of(unit, per_group, cl_tiles_m, cl_tiles_n, group_m, rank, info, M, N, K, groups);
-      if (t.skip) continue;
-      for (int kb = t.kb0; kb < t.kb1; ++kb) {
-        mbar_wait(&empty[s], phase ^ 1);
-        mbar_arrive_expect_tx(&full[s], A_STAGE + B_STAGE + SA_STAGE + SB_BYTES);
-        tma_load_operand<MCAST == 2>(smem + s * A_STAGE, &tm_a, &full[s], kb * BK, t.a_row, BM, A_STAGE, rank);
-        tma_load_operand<MCAST == 1>(smem + SMEM_B + s * B_STAGE, &tm_b, &full[s], kb * BK, t.b_row, BN, B_STAGE,
-                                     rank);
-        tma_load_2d(smem + SMEM_SA + s * SA_STAGE, &tm_sa, &full[s], t.a_row, kb);
-        if (WGRAD) tma_load_2d(smem + SMEM_SB + s * SB_STAGE, &tm_sb, &full[s], t.n0, kb);
-        if (++s == STAGES) { s = 0; phase ^= 1; }
+    if (tid == 0) {  // one thread issues the loads
+      int s = 0;
+      u32 phase = 0;
+      for (int unit = first_unit; unit < units; unit += unit_step) {
+        const Tile t = tile_of(unit, per_group, cl_tiles_m, cl_tiles_n, group_m, rank, info, M, N, K, groups);
+        if (t.skip) continue;
+        for (int kb = t.kb0; kb < t.kb1; ++kb) {
+          mbar_wait(&empty[s], phase ^ 1);
+          mbar_arrive_expect_tx(&full[s], A_STAGE + B_STAGE + SA_STAGE + SB_BYTES);
+          tma_load_operand<MCAST == 2>(smem + s * A_STAGE, &tm_a, &full[s], kb * BK, t.a_row, BM, A_STAGE, rank);
+          tma_load_operand<MCAST == 1>(smem + SMEM_B + s * B_STAGE, &tm_b, &full[s], kb * BK, t.b_row, BN, B_STAGE,
+                                       rank);
+          tma_load_2d(smem + SMEM_SA + s * SA_STAGE, &tm_sa, &full[s], t.a_row, kb);
+          if (WGRAD) tma_load_2d(smem + SMEM_SB + s * SB_STAGE, &tm_sb, &full[s], t.n0, kb);
+          if (++s == STAGES) { s = 0; phase ^= 1; }
+        }
       }
+      producer_finish<MCAST>(empty, s, phase, STAGES);
     }
-    producer_finish<MCAST>(empty, s, phase, STAGES);
+    if (KSPLIT > 1) split_sync_only();  // the whole warpgroup, together
     return;
   }
 
@@ -346,17 +344,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
 
 #if KSPLIT > 1
     if constexpr (CONSUMERS > 1) named_barrier(3, 256);  // both consumers are done with the stages
-    if (t.m0 + c * 64 < M && n0 < N) {  // (the same for the whole cluster: one tile)
-      cluster_split_sum<KSPLIT, BN>(acc[0], reinterpret_cast<float*>(smem) + c * 64 * SPLIT_ROW(BN),
-                                    &split_bars[2 * c], &split_bars[2 * c + 1], rank, tid, 1 + c,
-                                    [&](int r, int col, f32x4 v) {
-                                      const int row = t.m0 + c * 64 + r;
-                                      if (row < M && n0 + col < N)  // N % 8 == 0: 4 columns wholly in or out
-                                        *reinterpret_cast<u32x2*>(reinterpret_cast<u16*>(d) + i64(row) * ld_d +
-                                                                  n0 + col) =
-                                            u32x2{f32x2_to_bf16x2(v.x, v.y), f32x2_to_bf16x2(v.z, v.w)};
-                                    });
-    }
+    cluster_split_sum<KSPLIT, BN>(acc[0], reinterpret_cast<float*>(smem) + c * 64 * SPLIT_ROW(BN), rank, tid,
+                                  t.m0 + c * 64 < M && n0 < N, [&](int r, int col, f32x4 v) {
+                                    const int row = t.m0 + c * 64 + r;
+                                    if (row < M && n0 + col < N)  // N % 8 == 0: 4 columns wholly in or out
+                                      *reinterpret_cast<u32x2*>(reinterpret_cast<u16*>(d) + i64(row) * ld_d + n0 +
+                                                                col) =
+                                          u32x2{f32x2_to_bf16x2(v.x, v.y), f32x2_to_bf16x2(v.z, v.w)};
+                                  });
 #else
 #pragma unroll
     for (int u = 0; u < SUBS; ++u) {

@@ -73,7 +73,7 @@ for bm in (128, 64):
 # Split-K through the cluster's shared memory (2 and 3 K slices; 5 k blocks do not divide by either).
 for bm, bn, splits in ((64, 32, 2), (128, 64, 3)):
     f.pick_config = lambda m, n, k, props, layout=f.NORMAL, groups=1, max_bm=256, t=(bm, bn, splits): f.Fp8Config(
-        t[0], t[1], 4, f.smem_bytes(t[0], t[1], 4, layout, t[2]), g.MCAST_NONE, 1, layout, t[2])
+        t[0], t[1], 4, f.smem_bytes(t[0], t[1], 4, layout), g.MCAST_NONE, 1, layout, t[2])
     f._plans.clear()
     d = ck.gemm_fp8(qa, sa, qb, sb)
     assert {p.cfg.splits for p in f._plans.values()} == {splits}

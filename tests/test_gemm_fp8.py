@@ -25,9 +25,8 @@ def test_config_fits_and_matches_the_kernel_layout(shape):
     assert cfg.bm == 64 if m <= 64 else cfg.bm in ((64, 128) if m <= 128 else (128, 256))
     assert cfg.bn % 16 == 0 and 16 <= cfg.bn <= (128 if cfg.bm == 256 else f.MAX_BN)
     assert 3 <= cfg.stages <= f.MAX_STAGES
-    assert cfg.smem == f.smem_bytes(cfg.bm, cfg.bn, cfg.stages, f.NORMAL, cfg.splits) <= H100.smem_per_block_optin
-    assert cfg.stages == f.MAX_STAGES or (f.smem_bytes(cfg.bm, cfg.bn, cfg.stages + 1, f.NORMAL, cfg.splits)
-                                          > H100.smem_per_block_optin)
+    assert cfg.smem == f.smem_bytes(cfg.bm, cfg.bn, cfg.stages) <= H100.smem_per_block_optin
+    assert cfg.stages == f.MAX_STAGES or f.smem_bytes(cfg.bm, cfg.bn, cfg.stages + 1) > H100.smem_per_block_optin
     if cfg.splits > 1:  # one wave of (tile, split) units, every CTA of a cluster on one tile
         assert cfg.mcast == g.MCAST_NONE and cfg.bm <= 128 and cfg.cluster == cfg.splits
         assert -(-m // cfg.bm) * -(-n // cfg.bn) * cfg.splits <= H100.sm_count
@@ -421,9 +420,9 @@ def forced_split(monkeypatch):
     """Run every normal FP8 GEMM as split-K over clusters of `splits` CTAs with BM x BN tiles."""
     def force(bm, bn, splits):
         def pick(m, n, k, props, layout=f.NORMAL, groups=1, max_bm=256):
-            stages = f.max_stages(bm, bn, props.smem_per_block_optin - 64, layout)
-            return f.Fp8Config(bm, bn, stages, f.smem_bytes(bm, bn, stages, layout, splits), g.MCAST_NONE, 1,
-                               layout, splits)
+            stages = f.max_stages(bm, bn, props.smem_per_block_optin, layout)
+            return f.Fp8Config(bm, bn, stages, f.smem_bytes(bm, bn, stages, layout), g.MCAST_NONE, 1, layout,
+                               splits)
         monkeypatch.setattr(f, "pick_config", pick)
         f._plans.clear()
     yield force

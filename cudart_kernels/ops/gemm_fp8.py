@@ -70,15 +70,14 @@ def _chunk(bn: int, out_bytes: int = 2, bm: int = 128) -> int:
     return top if bn % top == 0 else 32 if bn % 32 == 0 else 16
 
 
-def smem_bytes(bm: int, bn: int, stages: int, layout: str = NORMAL, splits: int = 1) -> int:
+def smem_bytes(bm: int, bn: int, stages: int, layout: str = NORMAL) -> int:
     """Mirror of ptx/gemm_fp8.cu's layout: A, B, sA (and for the weight gradient sB) stages, the output chunks from
-    a 1024-byte boundary, two barriers per stage (and two per consumer for split-K), alignment slack."""
+    a 1024-byte boundary, two barriers per stage, alignment slack."""
     sb = -(-bn * 4 // 128) * 128 if layout == KGROUPED else 0  # each stage's at a 128-byte boundary
     stages_end = stages * (bm * BK + bn * BK + bm * 4 + sb)
     d = -(-stages_end // 1024) * 1024
     ob = _out_bytes(layout)
-    split_bars = 16 * _consumers(bm) if splits > 1 else 0
-    return d + _consumers(bm) * 2 * 64 * _chunk(bn, ob, bm) * ob + 16 * stages + split_bars + ALIGN_SLACK
+    return d + _consumers(bm) * 2 * 64 * _chunk(bn, ob, bm) * ob + 16 * stages + ALIGN_SLACK
 
 
 def max_stages(bm: int, bn: int, budget: int, layout: str = NORMAL) -> int:
@@ -187,7 +186,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         bn = _gemm.fewest_waves_bn(m_all, n, bm, widths, props)
         if layout == NORMAL and tiles_m == 1:
             bm, bn, splits = _small_m(m, n, k, bm, bn, props)  # tiles_m stays 1: no pairs (measured without)
-    stages = max_stages(bm, bn, budget - (16 * _consumers(bm) if splits > 1 else 0), layout)
+    stages = max_stages(bm, bn, budget, layout)
     # Tiles paired along M share B: they must be of one group (masked, K-grouped: pairs form within a group, so
     # a group of one row of tiles would pair with an idle spare; contiguous: never).
     share_b = layout == NORMAL or (per_group and -(-m // bm) >= 2)
@@ -195,7 +194,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     if _gemm.MULTICAST and tiles_m >= 2 and layout != KGROUPED:
         mcast = _gemm.pick_multicast(m_all, n, bm, bn, 1, False, props, share_b)
     group_m = _gemm.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
-    return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout, splits), mcast, group_m, layout, splits)
+    return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits)
 
 
 def _defines(cfg: Fp8Config) -> dict:
@@ -380,7 +379,7 @@ def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, props) -> 
     if cfg.splits > 1:
         tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
         if tiles > launch.max_active_clusters():  # clusters that do not fit at once would run in a second round
-            cfg = replace(cfg, splits=1, smem=smem_bytes(cfg.bm, cfg.bn, cfg.stages, layout))
+            cfg = replace(cfg, splits=1)
             launch = _launcher(cfg, av.device)
     if cfg.splits > 1:
         grid = (tiles * cfg.splits, 1, 1)

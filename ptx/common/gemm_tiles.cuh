@@ -151,54 +151,59 @@ __device__ __forceinline__ void tma_load_operand(u8* dst, const CUtensorMap_st* 
 // partials through distributed shared memory: no workspace, no counters, and a fixed order of summation (rank 0
 // first), so the result is bitwise reproducible. A consumer warpgroup writes its 64 x COLS partial into its CTA's
 // shared memory at `part` (rows of SPLIT_ROW(COLS) floats; the pipeline stages, free once the tile's main loop is
-// done), sums rows [rank * 64 / SPLITS, (rank + 1) * 64 / SPLITS) of it over the cluster and hands each 4-column
-// group to `out(row, col, sum)`. `ready` and `done` (in this CTA, initialised to SPLITS - 1 arrivals, used once)
-// tell it that every other CTA's partial is written and that no other CTA reads this one's any more; `bar` is the
-// warpgroup's named barrier.
+// done), then sums rows [rank * 64 / SPLITS, (rank + 1) * 64 / SPLITS) of it over the cluster and hands each
+// 4-column group to `out(row, col, sum)`. Two cluster barriers order it: every partial is written before any is
+// read, and every read is done before a CTA exits. Every thread of the cluster must pass both (an inactive
+// warpgroup, one whose rows lie past M, and the producer included: see split_sync_only).
 #define SPLIT_ROW(COLS) ((COLS) + 8)  // 8 floats of padding: the fragment stores below hit 32 banks per 16 lanes
 
 template <int SPLITS, int COLS, typename Out>
-__device__ __forceinline__ void cluster_split_sum(const float* acc, float* part, u64* ready, u64* done, u32 rank,
-                                                  int tid, int bar, Out out) {
+__device__ __forceinline__ void cluster_split_sum(const float* acc, float* part, u32 rank, int tid, bool active,
+                                                  Out out) {
   constexpr int ROW = SPLIT_ROW(COLS), GROUPS_ROW = COLS / 4, ITEMS = 4;
   const int warp = tid / 32, lane = tid % 32;
+  if (active) {
 #pragma unroll
-  for (int i = 0; i < COLS / 8; ++i)
+    for (int i = 0; i < COLS / 8; ++i)
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-      *reinterpret_cast<u32x2*>(part + (warp * 16 + lane / 4 + 8 * h) * ROW + 8 * i + 2 * (lane % 4)) =
-          u32x2{__float_as_uint(acc[4 * i + 2 * h]), __float_as_uint(acc[4 * i + 2 * h + 1])};
-  fence_acq_rel_cluster();
-  named_barrier(bar, 128);
-  if (tid < SPLITS && tid != int(rank)) mbar_arrive_cluster_release(ready, tid);
-  mbar_wait_cluster(ready, 0);
-
-  const int r0 = int(rank) * 64 / SPLITS, groups = ((int(rank) + 1) * 64 / SPLITS - r0) * GROUPS_ROW;
-  u32 base[SPLITS];
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<u32x2*>(part + (warp * 16 + lane / 4 + 8 * h) * ROW + 8 * i + 2 * (lane % 4)) =
+            u32x2{__float_as_uint(acc[4 * i + 2 * h]), __float_as_uint(acc[4 * i + 2 * h + 1])};
+  }
+  cluster_sync();  // (release / acquire at cluster scope) every partial is in place
+  if (active) {
+    const int r0 = int(rank) * 64 / SPLITS, groups = ((int(rank) + 1) * 64 / SPLITS - r0) * GROUPS_ROW;
+    u32 base[SPLITS];
 #pragma unroll
-  for (int p = 0; p < SPLITS; ++p) base[p] = dsmem_addr(part, p);
-  for (int g0 = tid; g0 < groups; g0 += 128 * ITEMS) {
-    f32x4 v[ITEMS][SPLITS];  // every load of the round in flight before the first sum
+    for (int p = 0; p < SPLITS; ++p) base[p] = dsmem_addr(part, p);
+    for (int g0 = tid; g0 < groups; g0 += 128 * ITEMS) {
+      f32x4 v[ITEMS][SPLITS];  // every load of the round in flight before the first sum
 #pragma unroll
-    for (int j = 0; j < ITEMS; ++j) {
-      const int g = min(g0 + 128 * j, groups - 1);
-      const u32 off = ((r0 + g / GROUPS_ROW) * ROW + g % GROUPS_ROW * 4) * 4;
+      for (int j = 0; j < ITEMS; ++j) {
+        const int g = min(g0 + 128 * j, groups - 1);
+        const u32 off = ((r0 + g / GROUPS_ROW) * ROW + g % GROUPS_ROW * 4) * 4;
 #pragma unroll
-      for (int p = 0; p < SPLITS; ++p) v[j][p] = ld_dsmem_f32x4(base[p] + off);
-    }
-#pragma unroll
-    for (int j = 0; j < ITEMS; ++j) {
-      const int g = g0 + 128 * j;
-      if (g >= groups) break;
-      f32x4 s = v[j][0];
-#pragma unroll
-      for (int p = 1; p < SPLITS; ++p) {
-        s.x += v[j][p].x; s.y += v[j][p].y; s.z += v[j][p].z; s.w += v[j][p].w;
+        for (int p = 0; p < SPLITS; ++p) v[j][p] = ld_dsmem_f32x4(base[p] + off);
       }
-      out(r0 + g / GROUPS_ROW, g % GROUPS_ROW * 4, s);
+#pragma unroll
+      for (int j = 0; j < ITEMS; ++j) {
+        const int g = g0 + 128 * j;
+        if (g >= groups) break;
+        f32x4 s = v[j][0];
+#pragma unroll
+        for (int p = 1; p < SPLITS; ++p) {
+          s.x += v[j][p].x; s.y += v[j][p].y; s.z += v[j][p].z; s.w += v[j][p].w;
+        }
+        out(r0 + g / GROUPS_ROW, g % GROUPS_ROW * 4, s);
+      }
     }
   }
-  named_barrier(bar, 128);  // this warpgroup's reads of the other CTAs are done
-  if (tid < SPLITS && tid != int(rank)) mbar_arrive_cluster(done, tid);
-  mbar_wait(done, 0);  // and theirs of this one: it may exit
+  cluster_sync();  // no CTA exits while another still reads its partial
+}
+
+// The producer warpgroup's side of cluster_split_sum: the same two cluster barriers.
+__device__ __forceinline__ void split_sync_only() {
+  __syncwarp();
+  cluster_sync();
+  cluster_sync();
 }

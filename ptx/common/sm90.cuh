@@ -132,26 +132,6 @@ __device__ __forceinline__ u32 dsmem_addr(const void* p, u32 rank) {
   return r;
 }
 
-// As mbar_arrive_cluster with a cluster-scope release: what this thread wrote (and what it observed before) is
-// visible to a thread whose mbar_wait_cluster sees the phase complete.
-__device__ __forceinline__ void mbar_arrive_cluster_release(u64* bar, u32 rank) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" :: "r"(dsmem_addr(bar, rank))
-               : "memory");
-}
-
-// mbar_wait with a cluster-scope acquire (pairs with mbar_arrive_cluster_release from other CTAs).
-__device__ __forceinline__ void mbar_wait_cluster(u64* bar, u32 parity) {
-  const u32 a = smem_u32(bar);
-  u32 done = 0;
-  while (!done) {
-    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
-                 "selp.u32 %0, 1, 0, p;\n\t}"
-                 : "=r"(done) : "r"(a), "r"(parity) : "memory");
-  }
-}
-
-__device__ __forceinline__ void fence_acq_rel_cluster() { asm volatile("fence.acq_rel.cluster;" ::: "memory"); }
-
 // ---- inter-CTA signalling (split-K counters) --------------------------------------------------------------------
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
