@@ -132,17 +132,16 @@ def _small_m(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties) 
             best = (64, narrow)
     if n * k > SPLIT_MAX_B_BYTES or k < SPLIT_MIN_K:
         return best + (1,)
-    split = []
-    for bm in (64, 128) if m > 64 else (64,):
+    split = []  # per tile height, the narrowest width with one wave of (tile, split) units
+    for rows in (64, 128) if m > 64 else (64,):
         widths = [b for b in range(16, MAX_BN_MEMORY_BOUND + 1, 16)
-                  if -(-m // bm) * -(-n // b) * 2 <= props.sm_count]
+                  if -(-m // rows) * -(-n // b) * 2 <= props.sm_count]
         if widths:
-            b = min(widths)
-            split.append((_fill(m, n, k, bm, b, 2, props), -b, bm, b))
+            split.append((_fill(m, n, k, rows, widths[0], 2, props), rows, widths[0]))
     if split:
-        fill, _, bm, b = min(split)
+        fill, rows, cols = min(split)
         if fill <= SPLIT_GAIN * _fill(m, n, k, *best, 1, props):
-            return bm, b, 2
+            return rows, cols, 2
     return best + (1,)
 
 
@@ -376,12 +375,11 @@ def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, props) -> 
     cfg = pick_config(m, n, k, props, layout, groups, max_bm)
     launch = _launcher(cfg, av.device)
     m_all = groups * -(-m // cfg.bm) * cfg.bm if layout in (MASKED, KGROUPED) else m
-    if cfg.splits > 1:
-        tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
-        if tiles > launch.max_active_clusters():  # clusters that do not fit at once would run in a second round
-            cfg = replace(cfg, splits=1)
-            launch = _launcher(cfg, av.device)
-    if cfg.splits > 1:
+    tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
+    if cfg.splits > 1 and tiles > launch.max_active_clusters():  # the clusters that do not fit would run later
+        cfg = replace(cfg, splits=1)
+        launch = _launcher(cfg, av.device)
+    if cfg.splits > 1:  # one tile per cluster
         grid = (tiles * cfg.splits, 1, 1)
     else:
         grid = _gemm.persistent_grid(launch, m_all, n, cfg.bm, cfg.bn, cfg.mcast, 1, cfg.smem, props)
