@@ -26,7 +26,7 @@
 // B_KN = 1 reads B as [K, N] (N contiguous): it is loaded as ceil(BN / 64) panels of 64 N x 64 K and fed to
 // wgmma as an MN-major operand (transposed B).
 //
-// Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64, 128, 192, 256), BN (8..256, step 8), STAGES, EPI,
+// Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64 or 128), BN (8..256, step 8), STAGES, EPI,
 // C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST.
 #include "common/gemm_tiles.cuh"
 #include "common/wgmma_ops.cuh"
@@ -80,9 +80,11 @@ static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0 && !B_KN) || (MCAST == 2
               "multicast halves must be whole 8-row swizzle atoms");
 constexpr int ACC = BN / 2;                          // fp32 accumulators per thread for m64nBN
 constexpr int PRODUCER_REGS = 40;
-constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : (CONSUMERS == 2 ? 232 : 160);
+constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : 232;
 static_assert(BN % 8 == 0 && BN >= 8 && BN <= 256, "BN must be a multiple of 8 in 8..256");
-static_assert(BM % 64 == 0 && BM >= 64 && BM <= 256, "BM must be 64, 128, 192 or 256");
+// Three or four consumers would not fit the register file with 64 x BN accumulators each (setmaxnreg would wait
+// forever for registers that the producer cannot free).
+static_assert(BM == 64 || BM == 128, "BM must be 64 or 128");
 
 // Shared memory (from a 1024-byte aligned base):
 // A stages | B stages | output tile | full barriers | empty barriers | one flag per consumer.

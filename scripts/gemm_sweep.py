@@ -18,8 +18,12 @@ from cudart_kernels.runtime.compiler import compile_kernel
 from cudart_kernels.runtime.driver import device_properties
 
 
-def configs(m, n, k, props):
-    bm = 64 if m <= 64 else 128
+def configs(m, n, k, props, bms=None):
+    for bm in bms or [64 if m <= 64 else 128]:
+        yield from _configs(m, n, k, bm, props)
+
+
+def _configs(m, n, k, bm, props):
     k_blocks = -(-k // g.BK)
     budget = props.smem_per_block_optin
     for bn in sorted({b for b in (16, 32, 48, 64, 96, 128, 192, 256) if b <= max(16, -(-n // 8) * 8)}):
@@ -47,13 +51,14 @@ def _compile(d):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("shapes", nargs="*", default=["skinny"])
+    ap.add_argument("--bm", type=int, action="append", help="BM to sweep (repeatable; default: the heuristic's)")
     ap.add_argument("--csv", default=os.path.join(os.environ.get("OUT", "."), "gemm_sweep.csv"))
     args = ap.parse_args()
     shapes = []
     for s in args.shapes:
         shapes += g.BENCH_SHAPES[s] if s in g.BENCH_SHAPES else [tuple(map(int, s.split("x")))]
     props = device_properties(0)
-    todo = {m_n_k: list(configs(*m_n_k, props)) for m_n_k in shapes}
+    todo = {m_n_k: list(configs(*m_n_k, props, args.bm)) for m_n_k in shapes}
     uniq = {tuple(sorted(defines(c).items())): defines(c) for cs in todo.values() for c in cs}
     with mp.get_context("spawn").Pool(min(16, os.cpu_count())) as pool:
         pool.map(_compile, list(uniq.values()))
@@ -83,7 +88,7 @@ def main():
         g.pick_config = real_pick
         b_us, b_cfg = best
         print(f"{m}x{n}x{k}: cuBLAS {cub:.1f} | auto {t_auto:.1f} (BN{auto.bn} s{auto.splits} mc{auto.mcast}) | "
-              f"best {b_us:.1f} (BN{b_cfg.bn} s{b_cfg.splits} mc{b_cfg.mcast} st{b_cfg.stages}) "
+              f"best {b_us:.1f} (BM{b_cfg.bm} BN{b_cfg.bn} s{b_cfg.splits} mc{b_cfg.mcast} st{b_cfg.stages}) "
               f"| best x {cub / b_us:.2f}", flush=True)
         a = b = d = None
     g._plans.clear()
