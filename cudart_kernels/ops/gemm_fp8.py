@@ -87,11 +87,13 @@ def max_stages(bm: int, bn: int, budget: int, layout: str = NORMAL) -> int:
     return s
 
 
-# Relative cost of a 128-row tile per column, by BN, measured on H200 for the M=4096 benchmark shapes
-# (docs/perf-notes.md): 128 and 192 are the efficient widths (a tile meets one or two scale blocks of B; 160, 96
-# meet two or three, and narrow tiles spend more of each k block on promotion and A reads). 256 columns (A from
-# registers): 5-8% faster than 128 on the contiguous shapes, 3-5% slower than 256 x 128 tiles on M = 4096.
-BN_COST = {64: 1.35, 96: 1.27, 128: 1.0, 160: 1.1, 192: 1.05, 256: 0.9}
+# Relative cost of a 128-row tile per column, by BN (H100, M = 4096, N = 11 x BN, K = 7168: the same tile count for
+# every width; docs/perf-notes.md, session 7): 128, 192 and 256 are the efficient widths. Widths whose tile
+# origins fall at 16-column offsets inside B's 128-column scale blocks (144, 176, 208, 240) cost 14-32% more per
+# column (the promotion dispatches on the offset every k block); 160 and 224 6%. Narrow tiles spend more of each
+# k block on promotion and A reads (H200: 64 1.35, 96 1.27). 256 columns (A from registers): 0.99 here, 5-8%
+# faster than 128 on the contiguous shapes (H200), where it is the choice for 128-row segments.
+BN_COST = {64: 1.35, 96: 1.27, 128: 1.0, 160: 1.06, 192: 0.98, 256: 0.9}
 # The weight gradient's promotion also scales each column (1D-1D): 192 columns ran 15-20% faster than 128 on all
 # three benchmark shapes.
 BN_COST_WGRAD = {**BN_COST, 192: 0.85}
