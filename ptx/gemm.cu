@@ -297,6 +297,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     tma_store_chunks<CHUNKS, CH, EPI != EPI_STORE>(&tm_out, d_smem, CHUNK_BYTES, chunk_seq, n0, row0, tid, 1 + c,
                                                    [&](int j, u8* buf) { chunk_to_smem(acc, j, buf, warp, lane); });
 #if EPI != EPI_STORE
+    // With every unit resident at once (one wave), all splits of a slice wait until the last partial is in and each
+    // then finishes 1/S of its rows; otherwise (forced splits beyond one wave) the last split finishes the slice.
+    const bool spread = EPI == EPI_SPLIT && units <= unit_step;
     if (tid == 0 && COUNTED && splits > 1) {
       bulk_wait<0>();  // the partial is in global memory, not just read out of shared memory
       fence_proxy_async_global();
@@ -304,34 +307,39 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
       bool last;
       if (DETERMINISTIC) {
         last = split == splits - 1;
-        if (!last) store_release_gpu(&counters[slice], split + 1);
+        if (!last || spread) store_release_gpu(&counters[slice], split + 1);
       } else {
         last = atomic_add_relaxed_gpu(&counters[slice], 1) == splits - 1;
       }
-      if (last) {
+      if (spread) {
+        while (load_acquire_gpu(&counters[slice]) < splits) {
+        }
+      }
+      if (last || spread) {
         fence_acq_rel_gpu();
         fence_proxy_async_global();
       }
-      flags[c] = last;
+      flags[c] = last || spread;
     }
 #if EPI == EPI_SPLIT
     if (splits > 1) {
       named_barrier(1 + c, 128);  // every thread sees flags[c], after tid 0's acquire
       if (flags[c]) {
-        // D = W (+ C) for this slice, then zero the slice of W and the counter for the next launch. FIN_LOADS
-        // independent 16-byte loads per thread are in flight before any store (the latency, not the bytes,
-        // is what this step costs). N is a multiple of 4, so a 4-column group is wholly in or out.
-        constexpr int GROUPS = 64 * BN / 4;
-        constexpr int FIN_LOADS = GROUPS >= 128 * 8 ? 8 : 4;
-        for (int base = tid; base < GROUPS; base += 128 * FIN_LOADS) {
+        // D = W (+ C) for this slice's rows [r_lo, r_hi), then zero them in W. FIN_LOADS independent 16-byte loads
+        // per thread are in flight before any store (the latency, not the bytes, is what this step costs). N is a
+        // multiple of 4, so a 4-column group is wholly in or out.
+        const int r_lo = spread ? split * 64 / splits : 0, r_hi = spread ? (split + 1) * 64 / splits : 64;
+        const int groups = (r_hi - r_lo) * (BN / 4);
+        constexpr int FIN_LOADS = 64 * BN / 4 >= 128 * 8 ? 8 : 4;
+        for (int base = tid; base < groups; base += 128 * FIN_LOADS) {
           f32x4 v[FIN_LOADS];
           i64 wi[FIN_LOADS], di[FIN_LOADS], ci[FIN_LOADS];
           bool ok[FIN_LOADS];
 #pragma unroll
           for (int j = 0; j < FIN_LOADS; ++j) {
             const int g = base + j * 128;
-            const int gr = row0 + g / (BN / 4), gc = n0 + (g % (BN / 4)) * 4;
-            ok[j] = g < GROUPS && gr < M && gc < N;
+            const int gr = row0 + r_lo + g / (BN / 4), gc = n0 + (g % (BN / 4)) * 4;
+            ok[j] = g < groups && gr < M && gc < N;
             wi[j] = gr * ld_w + gc;
             di[j] = gr * ld_d + gc;
             ci[j] = gr * ld_c + gc;
@@ -348,7 +356,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
             *reinterpret_cast<f32x4*>(w + wi[j]) = f32x4{0.f, 0.f, 0.f, 0.f};
           }
         }
-        if (tid == 0) counters[slice] = 0;
+        if (tid == 0) {
+          if (!spread) {
+            counters[slice] = 0;
+          } else if (atomic_add_relaxed_gpu(&counters[slice], 1) == 2 * splits - 1) {
+            counters[slice] = 0;  // every split has passed its wait: the slice is done
+          }
+        }
       }
     }
 #else
