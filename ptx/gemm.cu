@@ -16,9 +16,11 @@
 // Epilogues (EPI):
 // - EPI_STORE: D = acc (+ C), through shared memory and a TMA store.
 // - EPI_ACCUMULATE: D += acc for an fp32 D, through a TMA reduce-add (split-K partials add straight into D).
-// - EPI_SPLIT: split-K partials are reduce-added into a zeroed fp32 workspace W; the last split of each 64-row
-//   slice (a per-slice counter) writes D = W (+ C) and zeroes its part of W again, so W stays clean for the next
-//   call. Partials are published with a full bulk wait, a proxy fence and a gpu-scope release before the counter.
+// - EPI_SPLIT: split-K partials are reduce-added into a zeroed fp32 workspace W and counted per 64-row slice;
+//   then D = W (+ C) is written and W zeroed again, so W stays clean for the next call. When every unit is
+//   resident at once, all splits of a slice wait for the count and each finishes 1/S of the rows (the splits'
+//   second count resets the counter); otherwise the last split finishes the whole slice. Partials are published
+//   with a full bulk wait, a proxy fence and a gpu-scope release before the counter.
 // DETERMINISTIC: splits of a slice add in K order (a turnstile on the counter), so results are bitwise stable.
 // Work units are (tile, split) pairs, split fastest: a unit only ever waits on a unit with a smaller index, which
 // a resident CTA of this persistent grid has already started, so the turnstile cannot deadlock.
