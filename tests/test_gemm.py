@@ -39,6 +39,10 @@ def test_config_choices():
     # a wave of 66 pairs covers about 8 x 8 pairs
     assert (cfg.mcast, cfg.cluster, cfg.group_m) == (g.MCAST_SHARE_B, 2, 8)
     assert g.pick_config(16, 4096, 8192, 2, H100).bm == 64  # small M: one consumer warpgroup
+    # B streams from DRAM: among near-equal estimates, a grid of units that fills the SMs (32 x 4 = 128 units of
+    # 64 x 128) beats the widest tile (22 x 4 = 88 units of 64 x 192)
+    cfg = g.pick_config(16, 4096, 8192, 2, H100)
+    assert (cfg.bn, cfg.splits) == (128, 4)
     # 4096x2112: 32 row blocks; BN=176 gives 12 column blocks = 384 tiles = 3 waves, nearly full (2.9)
     assert g.pick_config(4096, 2112, 7168, 2, H100).bn == 176
     # few tiles, long K: split
@@ -70,6 +74,12 @@ def test_multicast_and_tile_order():
     for bn, eb, ch, swz in ((256, 2, 64, 128), (256, 4, 32, 128), (176, 2, 16, 32), (40, 2, 8, 0), (40, 4, 8, 32),
                             (96, 4, 32, 128), (48, 2, 16, 32)):
         assert (g.epilogue_chunk(bn, eb), g.epilogue_swizzle(bn, eb)) == (ch, swz), (bn, eb)
+
+
+def test_l2_promotion():
+    assert g.l2_promotion(1, 1) == g.l2_promotion(4, 1) == 256  # unsplit: 256-byte fills
+    assert g.l2_promotion(1, 8) == 256                           # split, streamed by one reader
+    assert g.l2_promotion(2, 8) == 128                           # split, re-read from L2
 
 
 def test_validation_before_launch():

@@ -41,6 +41,7 @@ _DRAM_LATENCY_US = 4.0         # a stage's load under load, when B streams from 
                                # stage back every latency / stages (16x4096x8192: BN32 0.28 us/kb, BN128 0.49)
 _PARTIAL_BYTES_PER_S = 1.1e12  # fp32 partials reduce-added in L2 (fitted)
 _FINISH_US_PER_32_COLS = 0.17  # the last split's finalisation, per 32 columns of a 64-row slice (fitted)
+FULL_GRID = 0.9                # a grid of units this share of the SMs counts as full
 _CLOSE = 1.05                  # estimates this close to the best: take the widest tile, then the most units
 # Programmatic dependent launch of the GEMM kernels (gemm.cu, gemm_fp8.cu): a kernel's set-up (barriers, tensor
 # maps, cluster sync) overlaps the previous kernel's tail in the stream; it waits for it before touching memory.
@@ -187,7 +188,13 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
             for sp in range(2, min(MAX_SPLITS, k_blocks // MIN_KBLOCKS_PER_SPLIT, props.sm_count // tiles) + 1):
                 cands.append((split_time_us(m, n, k, bm, bn, sp, props), bn, sp))
         best = min(c[0] for c in cands)
-        _, bn, splits = max((c for c in cands if c[0] <= _CLOSE * best), key=lambda c: (c[1], c[2]))
+        close = [c for c in cands if c[0] <= _CLOSE * best]
+        if bm == 64:
+            # One row of 64-row tiles: B streams from DRAM once. Keep the configs whose units busy nearly every SM, if any (more loads in
+            # flight; H100: 16x4096x8192 64x128 x 4 splits 29.2-30.0 us against 64x192 x 4 (88 units) 32.5).
+            full = [c for c in close if -(-n // c[1]) * c[2] >= FULL_GRID * props.sm_count]
+            close = full or close
+        _, bn, splits = max(close, key=lambda c: (c[1], c[2]))
     elif splits > 1:  # forced count: fewest waves of units, then the larger tile
         fits = [b for b in _bn_candidates(n) if max_stages(bm, b, 4, budget, b_kn) >= 2]
         bn = min(fits, key=lambda b: (-(-(-(-m // bm) * -(-n // b) * splits) // props.sm_count), -b))
@@ -255,6 +262,15 @@ def group_rows(m: int, n: int, bm: int, bn: int, mcast: int, props: DeviceProper
     if cl_tiles_m * cl_tiles_n <= wave:
         return cl_tiles_m
     return max(1, min(cl_tiles_m, round((wave * cl_bn / cl_bm) ** 0.5)))
+
+
+def l2_promotion(readers: int, splits: int) -> int:
+    """TMA L2 promotion (bytes an L2 miss fetches) for an operand map. 256 by default: wide DRAM bursts, and the
+    extra 128 bytes are the same rows' next k block. 128 for an operand of a split-K config that several CTAs re-read
+    (`readers` tile columns for A, tile rows for B): there the whole grid runs at once and is bound by L2 traffic,
+    and one-row fills cut it (H100, same process: 512x512x65536 69.0 -> 65.7 us, 256x256x32768 22.1 -> 20.9; on
+    unsplit shapes 128 lost up to 4%: docs/perf-notes.md, session 8)."""
+    return 128 if splits > 1 and readers > 1 else 256
 
 
 def _defines(in_dtype, out_dtype, cfg: GemmConfig, epi: str = "EPI_STORE", c_dtype=None,
@@ -359,7 +375,7 @@ class _Plan:
     epi: str
     launch: object
     grid: tuple
-    map_a: tuple       # tensor-map layouts (dtype, dims, strides, box, swizzle)
+    map_a: tuple       # tensor-map layouts (dtype, dims, strides, box, swizzle, L2 promotion)
     map_b: tuple
     map_out: tuple
     ld_w: int
@@ -409,12 +425,13 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, props) -> _P
     it = av.dtype.itemsize
     ld_w = -(-n // 4) * 4
     a_rows = cfg.bm // 2 if cfg.mcast == MCAST_SHARE_A else cfg.bm  # a multicast side loads half a tile
-    map_a = (av.dtype, (k, m), (av.strides[0] * it,), (BK, a_rows), 128)
+    cl_m, cl_n = cluster_tiles(m, n, cfg.bm, cfg.bn, cfg.mcast)
+    map_a = (av.dtype, (k, m), (av.strides[0] * it,), (BK, a_rows), 128, l2_promotion(cl_n, cfg.splits))
     if b_kn:  # [K, N]: boxes of 64 N x 64 K, loaded panel by panel
-        map_b = (bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128)
+        map_b = (bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128, l2_promotion(cl_m, cfg.splits))
     else:
         b_rows = cfg.bn // 2 if cfg.mcast == MCAST_SHARE_B else cfg.bn
-        map_b = (bv.dtype, (k, n), (bv.strides[0] * it,), (BK, b_rows), 128)
+        map_b = (bv.dtype, (k, n), (bv.strides[0] * it,), (BK, b_rows), 128, l2_promotion(cl_m, cfg.splits))
     epi_bytes = 4 if epi != "EPI_STORE" else dv.dtype.itemsize
     box_out = (epilogue_chunk(cfg.bn, epi_bytes), 64)
     swz = epilogue_swizzle(cfg.bn, epi_bytes)

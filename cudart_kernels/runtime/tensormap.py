@@ -141,6 +141,7 @@ class AddressedMapCache:
             return m
         if len(self._maps) >= self._max:
             self._maps.popitem(last=False)
-        dtype, dims, strides, box, swizzle = layout
-        m = self._maps[key] = encode_tensor_map(dtype, address, list(dims), list(strides), list(box), swizzle)
+        dtype, dims, strides, box, swizzle, *l2_promotion = layout  # optional sixth item: L2 promotion bytes
+        m = self._maps[key] = encode_tensor_map(dtype, address, list(dims), list(strides), list(box), swizzle,
+                                                l2_promotion=l2_promotion[0] if l2_promotion else 256)
         return m
