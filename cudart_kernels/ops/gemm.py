@@ -190,8 +190,9 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
         best = min(c[0] for c in cands)
         close = [c for c in cands if c[0] <= _CLOSE * best]
         if bm == 64:
-            # One row of 64-row tiles: B streams from DRAM once. Keep the configs whose units busy nearly every SM, if any (more loads in
-            # flight; H100: 16x4096x8192 64x128 x 4 splits 29.2-30.0 us against 64x192 x 4 (88 units) 32.5).
+            # One row of 64-row tiles: B streams from DRAM once. Keep the configs whose units busy nearly every SM,
+            # if any (more loads in flight; H100: 16x4096x8192 64x128 x 4 splits 29.2-30.0 us against 64x192 x 4,
+            # 88 units, 32.5).
             full = [c for c in close if -(-n // c[1]) * c[2] >= FULL_GRID * props.sm_count]
             close = full or close
         _, bn, splits = max(close, key=lambda c: (c[1], c[2]))
