@@ -69,35 +69,49 @@ _graph_stream = None
 
 
 def graph_time_us(torch, run, n_sets: int = 1, iters: int = 20, repeats: int = 7, warmup: int = 3) -> float:
-    """Device time per call: `iters` calls of `run(i, stream)` (i rotating over n_sets; torch work goes to the
-    current stream, ours must be given `stream`) captured in one CUDA graph on a side stream, the median over
-    `repeats` replays. Host launch cost is left out, so a kernel shorter than its Python call is timed by the
-    GPU, not by the launch rate (host cost is its own benchmark row)."""
+    """Device time per call of one `run` (see `graph_times_us`)."""
+    return graph_times_us(torch, [run], n_sets, iters, repeats, warmup)[0]
+
+
+def graph_times_us(torch, runs, n_sets: int = 1, iters: int = 20, repeats: int = 7, warmup: int = 3) -> list:
+    """Device time per call of each `run(i, stream)` in `runs` (i rotating over n_sets; torch work goes to the
+    current stream, ours must be given `stream`): `iters` calls captured in one CUDA graph per run on a side
+    stream, the median over `repeats` replays. Host launch cost is left out, so a kernel shorter than its Python
+    call is timed by the GPU, not by the launch rate (host cost is its own benchmark row).
+
+    The runs take turns, in order on even rounds and reversed on odd ones: at the 700 W power cap the clock falls
+    while the board heats, so whatever is timed first on a cool board gains (H100, bench order peer then ours
+    against ours then peer: 5-20% on the M = 4096 GEMMs; docs/perf-notes.md, session 9)."""
     global _graph_stream
     if _graph_stream is None:
         _graph_stream = torch.cuda.Stream()  # one for the process: our split-K workspace is per stream
     stream = _graph_stream
     stream.wait_stream(torch.cuda.current_stream())  # the inputs were just made on the current stream
-    with torch.cuda.stream(stream):
-        for i in range(warmup):
-            run(i % n_sets, stream)  # compiles, allocates workspaces: nothing may allocate inside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for i in range(iters):
-            run(i % n_sets, stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(repeats):
-        start.record()
+    graphs = []
+    for run in runs:
+        with torch.cuda.stream(stream):
+            for i in range(warmup):
+                run(i % n_sets, stream)  # compiles, allocates workspaces: nothing may allocate inside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(iters):
+                run(i % n_sets, stream)
         graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / iters)
-    del graph
-    return statistics.median(samples)
+        torch.cuda.synchronize()
+        graphs.append(graph)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = [[] for _ in runs]
+    for r in range(repeats):
+        order = range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))
+        for j in order:
+            start.record()
+            graphs[j].replay()
+            end.record()
+            end.synchronize()
+            samples[j].append(start.elapsed_time(end) * 1e3 / iters)
+    del graphs
+    return [statistics.median(x) for x in samples]
 
 
 def sets_beyond_l2(bytes_per_set: int, device: int = 0, cap: int = 64) -> int:
@@ -263,16 +277,17 @@ def bench_gemm(quick: bool = False, device: int = 0) -> list[Row]:
             b = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
             d = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
             iters = max(3, min(50, int(2e5 // max(1.0, 2 * m * n * k / 700e6))))
-            peer = graph_time_us(torch, lambda i, s: torch.matmul(a[i], b[i].t(), out=d[i]), sets, iters=iters)
-            ours = graph_time_us(torch, lambda i, s: gemm(a[i], b[i], out=d[i], stream=s), sets, iters=iters)
+            runs = [lambda i, s: torch.matmul(a[i], b[i].t(), out=d[i]),
+                    lambda i, s: gemm(a[i], b[i], out=d[i], stream=s)]
+            if name == "skinny":
+                runs.append(lambda i, s: gemm(a[i], b[i], out=d[i], split_k=1, stream=s))
+            peer, ours, *off = graph_times_us(torch, runs, sets, iters=iters)
             rows.append(Row(f"gemm_{name}", f"{m}x{n}x{k} bf16", ours, gbytes=nbytes / 1e9,
                             tflops=2 * m * n * k / 1e12, peer="cuBLAS", peer_us=peer))
-            if name == "skinny":
-                off = graph_time_us(torch, lambda i, s: gemm(a[i], b[i], out=d[i], split_k=1, stream=s), sets,
-                                    iters=iters)
-                rows.append(Row("gemm_skinny_nosplit", f"{m}x{n}x{k} bf16, split_k=1", off, gbytes=nbytes / 1e9,
+            if off:
+                rows.append(Row("gemm_skinny_nosplit", f"{m}x{n}x{k} bf16, split_k=1", off[0], gbytes=nbytes / 1e9,
                                 tflops=2 * m * n * k / 1e12, peer="cuBLAS", peer_us=peer,
-                                extra={"split_speedup": off / ours}))
+                                extra={"split_speedup": off[0] / ours}))
             a = b = d = None
     if not quick:
         m, n, k = 4096, 4096, 7168
@@ -281,8 +296,8 @@ def bench_gemm(quick: bool = False, device: int = 0) -> list[Row]:
         a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
         b = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
         d = [torch.randn(m, n, device="cuda", dtype=torch.float32) for _ in range(sets)]
-        peer = graph_time_us(torch, lambda i, s: fn(d[i], a[i], b[i]), sets, iters=10)
-        ours = graph_time_us(torch, lambda i, s: gemm(a[i], b[i], out=d[i], c=d[i], stream=s), sets, iters=10)
+        peer, ours = graph_times_us(torch, [lambda i, s: fn(d[i], a[i], b[i]),
+                                            lambda i, s: gemm(a[i], b[i], out=d[i], c=d[i], stream=s)], sets, iters=10)
         rows.append(Row("gemm_accumulate", f"{m}x{n}x{k}, D(fp32) += A @ B^T", ours, tflops=2 * m * n * k / 1e12,
                         peer=label, peer_us=peer))
     x = torch.randn(128, 1024, device="cuda", dtype=torch.bfloat16)
@@ -320,14 +335,16 @@ def bench_gemm_fp8(quick: bool = False, device: int = 0) -> list[Row]:
             a, sa, b, sb = ops[i]
             return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16)
 
-        peer = graph_time_us(torch, blockwise, sets, iters=iters)
-        ours = graph_time_us(torch, lambda i, s: gemm_fp8(*ops[i], d[i], stream=s), sets, iters=iters)
+        one = torch.ones((), device="cuda")
+
+        def tensorwise(i, s):
+            return torch._scaled_mm(ops[i][0], ops[i][2].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+        peer, ours, tensorwise_us = graph_times_us(
+            torch, [blockwise, lambda i, s: gemm_fp8(*ops[i], d[i], stream=s), tensorwise], sets, iters=iters)
         rows.append(Row("gemm_fp8", f"{m}x{n}x{k}", ours, gbytes=nbytes / 1e9, tflops=2 * m * n * k / 1e12,
                         peer="cuBLAS blockwise", peer_us=peer))
-        one = torch.ones((), device="cuda")
-        tensorwise = graph_time_us(torch, lambda i, s: torch._scaled_mm(
-            ops[i][0], ops[i][2].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), sets, iters=iters)
-        rows.append(Row("gemm_fp8_context", f"{m}x{n}x{k} cuBLAS FP8 per-tensor (context)", tensorwise,
+        rows.append(Row("gemm_fp8_context", f"{m}x{n}x{k} cuBLAS FP8 per-tensor (context)", tensorwise_us,
                         tflops=2 * m * n * k / 1e12))
         a16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -386,14 +403,14 @@ def bench_gemm_fp8_grouped(quick: bool = False, device: int = 0) -> list[Row]:
         ids = torch.arange(groups, device="cuda", dtype=torch.int32).repeat_interleave(rows)
         d = torch.empty(m, n, device="cuda", dtype=bf16)
         flop = 2 * m * n * k / 1e12
-        # The segments are multiples of 256 rows: the caller may say so, which allows 256-row tiles.
-        ours = graph_time_us(torch, lambda i, s: gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, d, alignment=256,
-                                                                               stream=s))
-        ours128 = graph_time_us(torch, lambda i, s: gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, d, stream=s))
         a16 = torch.randn(m, k, device="cuda", dtype=bf16)
         b16 = torch.randn(groups, n, k, device="cuda", dtype=bf16)
         offs = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * rows
-        peer = graph_time_us(torch, lambda i, s: torch._grouped_mm(a16, b16.transpose(-2, -1), offs=offs))
+        # The segments are multiples of 256 rows: the caller may say so, which allows 256-row tiles.
+        peer, ours, ours128 = graph_times_us(torch, [
+            lambda i, s: torch._grouped_mm(a16, b16.transpose(-2, -1), offs=offs),
+            lambda i, s: gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, d, alignment=256, stream=s),
+            lambda i, s: gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, d, stream=s)])
         case = f"{groups}x{rows} rows, N={n}, K={k}"
         out_rows.append(Row("gemm_fp8_contiguous", f"{case}, alignment=256", ours, tflops=flop,
                             peer="torch._grouped_mm BF16", peer_us=peer))
@@ -428,11 +445,11 @@ def bench_gemm_fp8_grouped(quick: bool = False, device: int = 0) -> list[Row]:
         b, sb = _fp8_activations(torch, n, k)
         d = torch.zeros(groups, m, n, device="cuda", dtype=torch.float32)
         ks = [tokens] * groups
-        ours = graph_time_us(torch, lambda i, s: gemm_fp8_wgrad(a, sa, b, sb, d, ks, stream=s))
         a16 = torch.randn(m, k, device="cuda", dtype=bf16)
         b16 = torch.randn(n, k, device="cuda", dtype=bf16)
         offs = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * tokens
-        peer = graph_time_us(torch, lambda i, s: torch._grouped_mm(a16, b16.t(), offs=offs))
+        peer, ours = graph_times_us(torch, [lambda i, s: torch._grouped_mm(a16, b16.t(), offs=offs),
+                                            lambda i, s: gemm_fp8_wgrad(a, sa, b, sb, d, ks, stream=s)])
         out_rows.append(Row("gemm_fp8_wgrad", f"{groups} experts x {tokens} tokens, M={m}, N={n} (D += , fp32)",
                             ours, tflops=2 * m * n * k / 1e12, peer="torch._grouped_mm BF16 (K groups)",
                             peer_us=peer))

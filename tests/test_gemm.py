@@ -39,10 +39,16 @@ def test_config_choices():
     # a wave of 66 pairs covers about 8 x 8 pairs
     assert (cfg.mcast, cfg.cluster, cfg.group_m) == (g.MCAST_SHARE_B, 2, 8)
     assert g.pick_config(16, 4096, 8192, 2, H100).bm == 64  # small M: one consumer warpgroup
-    # B streams from DRAM: among near-equal estimates, a grid of units that fills the SMs (32 x 4 = 128 units of
-    # 64 x 128) beats the widest tile (22 x 4 = 88 units of 64 x 192)
+    # Among near-equal estimates, a grid of units that fills the SMs beats a wider tile that leaves SMs idle:
+    # 16x4096x8192 64x192 x 6 (132 units), not x 4 (88 units); 256x512x65536 128x128 x 16 (128 units), not 128x192
+    # x 16 (96 units)
     cfg = g.pick_config(16, 4096, 8192, 2, H100)
-    assert (cfg.bn, cfg.splits) == (128, 4)
+    assert (cfg.bn, cfg.splits) == (192, 6)
+    cfg = g.pick_config(256, 512, 65536, 2, H100)
+    assert (cfg.bn, cfg.splits) == (128, 16)
+    # 512x512x65536: 128 x 256 tiles, 16 splits, pairs along M (61.5 us against 66.5 for 128 x 192 x 11)
+    cfg = g.pick_config(512, 512, 65536, 2, H100)
+    assert (cfg.bn, cfg.splits, cfg.mcast) == (256, 16, g.MCAST_SHARE_B)
     # 4096x2112: 32 row blocks; BN=176 gives 12 column blocks = 384 tiles = 3 waves, nearly full (2.9)
     assert g.pick_config(4096, 2112, 7168, 2, H100).bn == 176
     # few tiles, long K: split

@@ -39,7 +39,8 @@ _KB_US = {64: ((16, .181), (32, .185), (48, .190), (64, .205), (96, .185), (128,
 _DRAM_EFFICIENCY = 0.82        # achieved / peak DRAM bandwidth when streaming operands
 _DRAM_LATENCY_US = 4.0         # a stage's load under load, when B streams from DRAM once (M <= BM): a CTA gets one
                                # stage back every latency / stages (16x4096x8192: BN32 0.28 us/kb, BN128 0.49)
-_PARTIAL_BYTES_PER_S = 1.1e12  # fp32 partials reduce-added in L2 (fitted)
+_PARTIAL_BYTES_PER_S = 2e12    # fp32 partials reduce-added in L2 (refitted on the H100 with the full-grid rule
+                               # over 31 M <= 1024 shapes: pick / best forced 1.038 -> 1.022; perf-notes session 9)
 _FINISH_US_PER_32_COLS = 0.17  # the last split's finalisation, per 32 columns of a 64-row slice (fitted)
 FULL_GRID = 0.9                # a grid of units this share of the SMs counts as full
 _CLOSE = 1.05                  # estimates this close to the best: take the widest tile, then the most units
@@ -189,12 +190,11 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
                 cands.append((split_time_us(m, n, k, bm, bn, sp, props), bn, sp))
         best = min(c[0] for c in cands)
         close = [c for c in cands if c[0] <= _CLOSE * best]
-        if bm == 64:
-            # One row of 64-row tiles: B streams from DRAM once. Keep the configs whose units busy nearly every SM,
-            # if any (more loads in flight; H100: 16x4096x8192 64x128 x 4 splits 29.2-30.0 us against 64x192 x 4,
-            # 88 units, 32.5).
-            full = [c for c in close if -(-n // c[1]) * c[2] >= FULL_GRID * props.sm_count]
-            close = full or close
+        # Keep the configs whose units busy nearly every SM, if any: more loads in flight (H100, same process:
+        # 16x4096x8192 64x128 x 4, 128 units, 29.2-30.0 us against 64x192 x 4, 88 units, 32.5; 256x512x65536
+        # 128x128 x 16, 128 units, 43.3 against 128x192 x 16, 96 units, 47.5).
+        full = [c for c in close if -(-m // bm) * -(-n // c[1]) * c[2] >= FULL_GRID * props.sm_count]
+        close = full or close
         _, bn, splits = max(close, key=lambda c: (c[1], c[2]))
     elif splits > 1:  # forced count: fewest waves of units, then the larger tile
         fits = [b for b in _bn_candidates(n) if max_stages(bm, b, 4, budget, b_kn) >= 2]
