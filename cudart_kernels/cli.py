@@ -41,6 +41,8 @@ def report_problems(c, dynamic_smem: int = 0) -> list[str]:
         problems.append(f"local memory ({r.stack_bytes} B stack frame)")
     if r.static_smem + dynamic_smem > SMEM_LIMIT:
         problems.append(f"smem {r.static_smem + dynamic_smem} B > {SMEM_LIMIT} B")
+    if r.wgmma_serialized:
+        problems.append("ptxas serialized the wgmma (C7514: each one waits for the previous)")
     return problems
 
 

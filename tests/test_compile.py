@@ -35,6 +35,9 @@ ptxas info    : Used 40 registers, used 0 barriers, 64 bytes smem
     r = CompileReport.parse(log, "other")
     assert (r.registers, r.spill_stores, r.spill_loads, r.stack_bytes, r.static_smem) == (200, 8, 4, 16, 1024)
     assert not CompileReport.parse("", "mine").spills_known
+    serial = "ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to x"
+    assert CompileReport.parse(log + serial, "mine").wgmma_serialized
+    assert not CompileReport.parse(log, "mine").wgmma_serialized
 
 
 def test_cubin_resources_match_ptxas():
@@ -129,6 +132,9 @@ def test_fp8_gemm_sass_uses_fp8_tensor_cores(variant):
         "no QGMMA of the configured shape"
     assert not re.search(r"\b(LDL|STL)\b", text), "local memory in SASS"
     assert "UTMALDG" in text
+    if bn <= 128 and variant[2]["BM"] <= 128 and variant[2].get("LAYOUT") != "LAYOUT_KGROUPED":
+        # two scratch sets: a k block's wgmma group is waited for while the next one is in flight
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in text
     if variant[2].get("KSPLIT", 1) > 1:  # split-K: partials summed from the cluster's shared memory, direct stores
         assert "STG.E.64" in text and "UTMASTG" not in text
     else:

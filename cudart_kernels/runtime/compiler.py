@@ -67,6 +67,12 @@ class CompileReport:
     spills_known: bool = True
     log: str = field(default="", repr=False)
 
+    @property
+    def wgmma_serialized(self) -> bool:
+        """ptxas found accumulator registers it could not prove idle and made every wgmma wait for the previous
+        one (its warning C7514; a silent, large slowdown)."""
+        return "wgmma.mma_async instructions are serialized" in self.log
+
     @staticmethod
     def parse(text: str, entry: str, cubin: bytes | None = None) -> "CompileReport":
         lines = text.splitlines()

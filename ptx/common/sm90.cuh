@@ -242,6 +242,10 @@ __device__ __forceinline__ u32 swizzled_offset(int row, int g) {
   }
 }
 
+__device__ __forceinline__ void st_shared_f32x2(void* p, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" :: "r"(smem_u32(p)), "f"(x), "f"(y) : "memory");
+}
+
 // ---- programmatic dependent launch (kernels launched with the PDL attribute) -----------------------------------
 // The next kernel in the stream may start (its prologue overlaps this grid's tail); it still waits in pdl_wait.
 __device__ __forceinline__ void pdl_launch_dependents() {
