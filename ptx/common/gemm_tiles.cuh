@@ -70,13 +70,8 @@ __device__ __forceinline__ void f32_chunk(const float* acc, int j, u8* buf, int 
       const int row = warp * 16 + lane / 4 + 8 * h;
       // A plain u32x2 store of the two floats made ptxas serialize every wgmma of the kernel (C7520: a
       // compiler-inserted warpgroup arrive on a divergent path); this one does not.
-#ifdef OLD_F32_STORE
-      *reinterpret_cast<u32x2*>(buf + swizzled_offset<CH * 4>(row, col / 4) + (col % 4) * 4) =
-          u32x2{__float_as_uint(acc[4 * i + 2 * h]), __float_as_uint(acc[4 * i + 2 * h + 1])};
-#else
       st_shared_f32x2(buf + swizzled_offset<CH * 4>(row, col / 4) + (col % 4) * 4, acc[4 * i + 2 * h],
                       acc[4 * i + 2 * h + 1]);
-#endif
     }
   }
 }
