@@ -53,6 +53,10 @@ def test_config_choices():
     assert g.pick_config(4096, 2112, 7168, 2, H100).bn == 176
     # few tiles, long K: split
     assert g.pick_config(128, 128, 65536, 2, H100).splits >= 16
+    # a paired split config counts at PAIRED_FACTOR of its estimate: 128x128x65536 128x64 x 64 paired along N
+    # (17.8 us) rather than 128x48 x 44 unpaired (18.7)
+    cfg = g.pick_config(128, 128, 65536, 2, H100)
+    assert (cfg.bn, cfg.splits, cfg.mcast) == (64, 64, g.MCAST_SHARE_A)
     assert g.pick_config(256, 256, 32768, 2, H100).splits >= 8
     # 2048x2048: BN=256 gives 128 tiles, one wave; no split beats a narrower tile with two waves
     assert g.pick_config(2048, 2048, 32768, 2, H100) == g.pick_config(2048, 2048, 32768, 2, H100, split_k=1)

@@ -151,6 +151,13 @@ def split_time_us(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: 
     return t
 
 
+# Split candidates that can pair tiles in 2-CTA clusters count at this fraction of their estimate: multicast
+# halves one operand's L2 reads and the split main loop is bound by L2 traffic (session 8), which the per-k-block
+# fit does not see. Of 27 skinny shapes only 128x128x65536 changes pick: 128x48 x 44 (18.7 us) -> 128x64 x 64
+# paired along N (17.8; cuBLAS 17.1; H100, same process, 4 rounds).
+PAIRED_FACTOR = 0.95
+
+
 def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, split_k: int | None = None,
                 accumulate: bool = False, b_kn: bool = False) -> GemmConfig:
     """Block shape, stages and split-K count.
@@ -187,7 +194,10 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
                 continue
             tiles = -(-m // bm) * -(-n // bn)
             for sp in range(2, min(MAX_SPLITS, k_blocks // MIN_KBLOCKS_PER_SPLIT, props.sm_count // tiles) + 1):
-                cands.append((split_time_us(m, n, k, bm, bn, sp, props), bn, sp))
+                t = split_time_us(m, n, k, bm, bn, sp, props)
+                if MULTICAST and pick_multicast(m, n, bm, bn, sp, b_kn, props) != MCAST_NONE:
+                    t *= PAIRED_FACTOR
+                cands.append((t, bn, sp))
         best = min(c[0] for c in cands)
         close = [c for c in cands if c[0] <= _CLOSE * best]
         # Keep the configs whose units busy nearly every SM, if any: more loads in flight (H100, same process:
