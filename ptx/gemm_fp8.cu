@@ -182,7 +182,9 @@ struct TwoScratch {
   int s;  // stage of the next k block to promote
   u32 phase;
 
-  __device__ __forceinline__ static int next(int st) { return st + 1 == STAGES ? 0 : st + 1; }
+  __device__ __forceinline__ static void advance(int& st, u32& ph) {
+    if (++st == STAGES) { st = 0; ph ^= 1; }
+  }
 
   // Wait for stage st and issue its k block into part[J].
   template <int J>
@@ -208,7 +210,7 @@ struct TwoScratch {
     __syncwarp();  // every lane's sA is in registers (used above) before the stage goes back
     if (lane == 0) release_stage<MCAST>(&empty[s], rank);
     promote<PART_N>(first_next, acc, part[J], sc, 0);
-    if (++s == STAGES) { s = 0; phase ^= 1; }
+    advance(s, phase);
   }
 
   // All k blocks of one tile; s / phase: the tile's first stage on entry, the next tile's on return.
@@ -217,15 +219,15 @@ struct TwoScratch {
     int is = s;  // stage / phase of the next k block to issue
     u32 iph = phase;
     issue<0>(is, iph);
-    if (++is == STAGES) { is = 0; iph ^= 1; }
+    advance(is, iph);
     int i = 0;
     for (; i + 2 < n; i += 2) {
       issue<1>(is, iph);
-      if (++is == STAGES) { is = 0; iph ^= 1; }
+      advance(is, iph);
       wgmma_wait<1>();
       promote_stage<0>(acc);
       issue<0>(is, iph);
-      if (++is == STAGES) { is = 0; iph ^= 1; }
+      advance(is, iph);
       wgmma_wait<1>();
       promote_stage<1>(acc);
     }

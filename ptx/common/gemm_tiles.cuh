@@ -169,8 +169,8 @@ __device__ __forceinline__ void cluster_split_sum(const float* acc, float* part,
     for (int i = 0; i < COLS / 8; ++i)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<u32x2*>(part + (warp * 16 + lane / 4 + 8 * h) * ROW + 8 * i + 2 * (lane % 4)) =
-            u32x2{__float_as_uint(acc[4 * i + 2 * h]), __float_as_uint(acc[4 * i + 2 * h + 1])};
+        st_shared_f32x2(part + (warp * 16 + lane / 4 + 8 * h) * ROW + 8 * i + 2 * (lane % 4), acc[4 * i + 2 * h],
+                        acc[4 * i + 2 * h + 1]);
   }
   cluster_sync();  // (release / acquire at cluster scope) every partial is in place
   if (active) {
