@@ -33,11 +33,17 @@ def test_config_fits_and_matches_the_kernel_layout(shape):
 
 
 def test_config_choices():
-    # 4096 rows, N = 7168 (H100, 132 SMs). 128 x 128: 32 x 56 = 1792 tiles, 14 waves at cost 1.0 a 128-column
-    # tile = 14; 128 x 192: 32 x 38 = 1216 tiles, 10 waves x 1.5 x 1.05 = 15.75; 256 x 128: 16 x 56 = 896 tiles,
-    # 7 waves x 2 x 0.85 = 11.9 -> 256 x 128, pairs along N sharing the 256-row A tile.
+    # 4096 rows, N = 7168, K = 16384: 128 k blocks (H100, 132 SMs). 128 x 128: 1792 tiles, 14 waves x (1.0 +
+    # 128 x 0.523) = 951 us; 128 x 192: 1216 tiles, 10 waves x 94.6 = 946; 256 x 128: 896 tiles, 7 waves x 129.9 =
+    # 909 -> 256 x 128, pairs along N sharing the 256-row A tile.
     cfg = f.pick_config(4096, 7168, 16384, H100)
     assert (cfg.bm, cfg.bn, cfg.mcast, cfg.stages) == (256, 128, g.MCAST_SHARE_A, 4)
+    assert f._tile_us(256, 128, 128, f.NORMAL) == pytest.approx(129.9)
+    # Short K: the fixed cost per tile decides. N = 24576, K = 1536: 128 x 192 in 32 waves x 9.9 = 318 us against
+    # 256 x 128 in 24 waves x 13.9 = 334 (measured 313 vs 333); K = 512 (N = 32768): 172 vs 189 (173 vs 185).
+    for n, k in ((24576, 1536), (32768, 512)):
+        assert (f.pick_config(4096, n, k, H100).bm, f.pick_config(4096, n, k, H100).bn) == (128, 192)
+    assert f.pick_config(4096, 7168, 2048, H100).bm == 256  # 7 waves x 17.9 = 125 against 10 x 12.9 = 129
     # N = 2112: 128 x 192 is 32 x 11 = 352 tiles, 3 waves (4.7); 256 x 128 is 16 x 17 = 272 tiles, 3 waves (5.1)
     assert (f.pick_config(4096, 2112, 7168, H100).bm, f.pick_config(4096, 2112, 7168, H100).bn) == (128, 192)
     # one row of tiles: memory-bound, fewest waves, no pairs
@@ -55,14 +61,17 @@ def test_config_choices():
     assert f.pick_config(128, 7168, 2048, H100).splits == 1
     assert f.pick_config(64, 7168, 16384, H100).splits == 1
     assert f.pick_config(64, 7168, 16384, H100).bm == 64
-    # contiguous: 256-row tiles only when the caller's segments allow them; pairs along N only
-    # 128-row segments: 128 x 256 tiles (A from registers; 5-8% faster than 128 x 128 there), pairs along N
-    narrow = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=128)
-    assert (narrow.bm, narrow.bn, narrow.mcast) == (128, 256, g.MCAST_SHARE_A)
+    # contiguous: 256-row tiles only when the caller's segments allow them; pairs along N only. 4 x 8192 rows,
+    # N = 4096: 128 x 192 in 43 waves x 42.1 = 1808 us against 128 x 256 in 32 x 58.8 = 1882 and 256 x 128 in
+    # 32 x 57.9 = 1853 (measured 1940, 1937-2034, 1983)
+    for max_bm in (128, 256):
+        cont = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=max_bm)
+        assert (cont.bm, cont.bn, cont.mcast) == (128, 192, g.MCAST_SHARE_A)
+    assert f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=64).bm == 64
     # memory-bound shapes never take 256 columns (one wave of them lost to two of 128 x 128)
     assert f.pick_config(128, 32768, 512, H100).bn == 128
-    cont = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=256)
-    assert (cont.bm, cont.mcast) == (256, g.MCAST_SHARE_A)
+    # masked, 1024 rows in one group: 256 x 128 (4096 x 7168: 4 waves x 57.9 against 6 x 42.1 for 128 x 192)
+    assert f.pick_config(1024, 4096, 7168, H100, f.MASKED, 1).bm == 256
 
 
 def _gemm_args(m, n, k, sa_strides=None):

@@ -87,19 +87,29 @@ def max_stages(bm: int, bn: int, budget: int, layout: str = NORMAL) -> int:
     return s
 
 
-# Relative cost of a 128-row tile per column, by BN (H100, M = 4096, N = 11 x BN, K = 7168: the same tile count for
-# every width; docs/perf-notes.md, session 7): 128, 192 and 256 are the efficient widths. Widths whose tile
-# origins fall at 16-column offsets inside B's 128-column scale blocks (144, 176, 208, 240) cost 14-32% more per
-# column (the promotion dispatches on the offset every k block); 160 and 224 6%. Narrow tiles spend more of each
-# k block on promotion and A reads (H200: 64 1.35, 96 1.27). 256 columns (A from registers): 0.99 here, 5-8%
-# faster than 128 on the contiguous shapes (H200), where it is the choice for 128-row segments.
-BN_COST = {64: 1.35, 96: 1.27, 128: 1.0, 160: 1.06, 192: 0.98, 256: 0.9}
-# The weight gradient's promotion also scales each column (1D-1D): 192 columns ran 15-20% faster than 128 on all
-# three benchmark shapes.
-BN_COST_WGRAD = {**BN_COST, 192: 0.85}
-# A 256 x 128 tile against two 128 x 128 ones: 10-25% faster on the M=4096 shapes, the contiguous and the masked
-# ones from 256 rows a group (a third less L2 traffic per flop: the 128-row main loop is bound by its loads).
-BM256_COST = 0.85
+# Time of one tile in a wave, H100 microseconds: fixed (epilogue, pipeline refill) + per 128-deep k block. Fitted to
+# same-run forced configs on the six M = 4096 benchmark shapes (K = 512..16384; every shape within 3%,
+# docs/perf-notes.md session 11). Per output and k block 128 x 192 is the cheapest main loop (0.73 / 192 columns),
+# and its fixed cost is the lowest per output: a 256-row tile's consumers each store two row blocks.
+TILE_US = {(128, 128): (1.0, 0.523), (128, 192): (1.18, 0.73), (128, 256): (1.98, 1.014), (256, 128): (1.9, 1.0)}
+# Other widths of 128-row tiles, relative to 128 x 128 per column and k block (older H200 / H100 sweeps,
+# docs/perf-notes.md sessions 5 and 7): narrow tiles spend more of each k block on promotion and A reads; widths
+# whose tile origins fall at 16-column offsets in B's 128-column scale blocks (144, 176, ...) cost 14-32% more and
+# are not candidates. The weight gradient's promotion also scales each column (1D-1D): there 192 columns ran
+# 15-20% faster per column than 128 on all three benchmark shapes.
+BN_COST = {64: 1.35, 96: 1.27, 160: 1.06}
+BN_COST_WGRAD = {64: 1.35, 96: 1.27, 128: 1.0, 160: 1.06, 192: 0.85, 256: 0.9}
+
+
+def _tile_us(bm: int, bn: int, k_blocks: int, layout: str) -> float:
+    """Estimated time of one BM x BN tile over `k_blocks` k blocks (TILE_US, else scaled from 128 x 128)."""
+    if layout != KGROUPED and (bm, bn) in TILE_US:
+        fixed, per_kb = TILE_US[bm, bn]
+    else:
+        fixed, per_kb = TILE_US[128, 128]
+        rel = (BN_COST_WGRAD if layout == KGROUPED else BN_COST)[bn]
+        fixed, per_kb = fixed * bn / 128, per_kb * bn / 128 * rel
+    return fixed + per_kb * k_blocks
 
 
 # A narrow 128-row tile re-reads A's 128 rows for few columns of B; 64-row tiles of up to this many columns are
@@ -154,8 +164,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     layout's segment alignment).
 
     BM 64 for M <= 64 (one consumer warpgroup). With several row blocks of 128 (compute-bound), the tile with the
-    least waves x width x measured cost among 128 x (BN_COST widths) and 256 x 128 (normal GEMM from 512 rows,
-    masked from 256 rows a group, contiguous when the segments allow it); otherwise (memory-bound) BM 128 and BN
+    least waves x estimated tile time (`_tile_us`) among 128 x (64..256) and 256 x 128 (normal GEMM from 512
+    rows, masked from 256 rows a group, contiguous when the segments allow it); otherwise (memory-bound) BM 128 and BN
     a multiple of 16 up to MAX_BN_MEMORY_BOUND (or N rounded up to 16) with the fewest waves, then the fullest
     last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_narrow_rows`). Stages
     fill the shared-memory budget. Pairs and tile order as for the BF16 GEMM, but no pairs with
@@ -169,17 +179,18 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     budget = props.smem_per_block_optin
     top = min(MAX_BN, max(16, -(-n // 16) * 16))
     if bm == 128 and tiles_m >= 2 and n > 128:
-        table = BN_COST_WGRAD if layout == KGROUPED else BN_COST
-        cands = [(128, b, table[b]) for b in table if b <= top]
+        widths = BN_COST_WGRAD if layout == KGROUPED else list(BN_COST) + [128, 192, 256]
+        cands = [(128, b) for b in widths if b <= top]
         tall = {NORMAL: m >= 512, MASKED: m >= 256, CONTIGUOUS: True, KGROUPED: False}[layout]
         if tall and max_bm >= 256:
-            cands.append((256, 128, 2 * BM256_COST))
+            cands.append((256, 128))
+        k_blocks = -(-(k // groups if layout == KGROUPED else k) // BK)  # one tile's k blocks
 
         def cost(c):
-            tbm, tbn, per_tile = c
+            tbm, tbn = c
             tiles = -(-m_all // tbm) * -(-n // tbn)
-            return -(-tiles // props.sm_count) * tbn / 128 * per_tile, -tbn, tbm
-        bm, bn, _ = min(cands, key=cost)
+            return -(-tiles // props.sm_count) * _tile_us(tbm, tbn, k_blocks, layout), -tbn, tbm
+        bm, bn = min(cands, key=cost)
         tiles_m = -(-m_all // bm)
     else:
         widths = [b for b in range(16, min(top, MAX_BN_MEMORY_BOUND) + 1, 16)
