@@ -78,9 +78,10 @@ constexpr bool PER_GROUP_TILES = LAYOUT == LAYOUT_MASKED || LAYOUT == LAYOUT_KGR
 constexpr int SB_BYTES = WGRAD ? BN * 4 : 0;  // this k block's 1x128 scales of B's BN rows
 constexpr int SB_STAGE = (SB_BYTES + 127) / 128 * 128;  // TMA writes shared memory at 128-byte boundaries
 constexpr int OUT_BYTES = WGRAD ? 4 : 2;
-// Output chunk rows of at most 128 bytes (one swizzle span); 64 with 256-row or 256-column tiles, whose smaller
-// chunk buffers let a fourth stage fit.
-constexpr int CH_MAX = (BM == 256 || A_IN_REGS ? 64 : 128) / OUT_BYTES;
+// Output chunk rows of at most 128 bytes (one swizzle span); 64 with 256-column tiles, whose smaller chunk buffers
+// let a fourth stage fit. 256-row tiles take 128-byte chunks and three stages: each chunk costs ~0.15 us of the
+// epilogue, and three stages fed the main loop as well as four (H100: 3-4% faster, docs/perf-notes.md session 11).
+constexpr int CH_MAX = (A_IN_REGS ? 64 : 128) / OUT_BYTES;
 constexpr int CH = BN % CH_MAX == 0 ? CH_MAX : BN % 32 == 0 ? 32 : 16;
 constexpr int CHUNKS = BN / CH;
 constexpr int CHUNK_BYTES = 64 * CH * OUT_BYTES;

@@ -33,18 +33,18 @@ def test_config_fits_and_matches_the_kernel_layout(shape):
 
 
 def test_config_choices():
-    # 4096 rows, N = 7168, K = 16384: 128 k blocks (H100, 132 SMs). 128 x 128: 1792 tiles, 14 waves x (1.0 +
-    # 128 x 0.523) = 951 us; 128 x 192: 1216 tiles, 10 waves x 94.6 = 946; 256 x 128: 896 tiles, 7 waves x 129.9 =
-    # 909 -> 256 x 128, pairs along N sharing the 256-row A tile.
+    # 4096 rows, N = 7168, K = 16384: 128 k blocks (H100, 132 SMs). 128 x 128: 1792 tiles, 14 waves x (1.12 +
+    # 128 x 0.514) = 937 us; 128 x 192: 1216 tiles, 10 waves x 97.4 = 974; 256 x 128: 896 tiles, 7 waves x 130.7 =
+    # 915 (measured 937, 974, 914) -> 256 x 128, pairs along N sharing the 256-row A tile, three stages (its
+    # 128-byte output chunks take the fourth one's room).
     cfg = f.pick_config(4096, 7168, 16384, H100)
-    assert (cfg.bm, cfg.bn, cfg.mcast, cfg.stages) == (256, 128, g.MCAST_SHARE_A, 4)
-    assert f._tile_us(256, 128, 128, f.NORMAL) == pytest.approx(129.9)
-    # Short K: the fixed cost per tile decides. N = 24576, K = 1536: 128 x 192 in 32 waves x 9.9 = 318 us against
-    # 256 x 128 in 24 waves x 13.9 = 334 (measured 313 vs 333); K = 512 (N = 32768): 172 vs 189 (173 vs 185).
-    for n, k in ((24576, 1536), (32768, 512)):
-        assert (f.pick_config(4096, n, k, H100).bm, f.pick_config(4096, n, k, H100).bn) == (128, 192)
-    assert f.pick_config(4096, 7168, 2048, H100).bm == 256  # 7 waves x 17.9 = 125 against 10 x 12.9 = 129
-    # N = 2112: 128 x 192 is 32 x 11 = 352 tiles, 3 waves (4.7); 256 x 128 is 16 x 17 = 272 tiles, 3 waves (5.1)
+    assert (cfg.bm, cfg.bn, cfg.mcast, cfg.stages) == (256, 128, g.MCAST_SHARE_A, 3)
+    assert f._tile_us(256, 128, 128, f.NORMAL) == pytest.approx(130.65)
+    assert f._chunk(128) == 64 and f._chunk(256) == 32
+    # Short K: the fixed cost per tile counts. N = 32768, K = 512: 256 x 128 in 32 waves x 5.41 = 173 us against
+    # 128 x 192 in 42 waves x 4.23 = 178 (measured 173 vs 178).
+    assert f.pick_config(4096, 32768, 512, H100).bm == 256
+    # N = 2112: 128 x 192 is 32 x 11 = 352 tiles, 3 waves x 43.3; 256 x 128 is 16 x 17 = 272 tiles, 3 waves x 57.9
     assert (f.pick_config(4096, 2112, 7168, H100).bm, f.pick_config(4096, 2112, 7168, H100).bn) == (128, 192)
     # one row of tiles: memory-bound, fewest waves, no pairs
     small = f.pick_config(128, 7168, 16384, H100)
@@ -62,15 +62,16 @@ def test_config_choices():
     assert f.pick_config(64, 7168, 16384, H100).splits == 1
     assert f.pick_config(64, 7168, 16384, H100).bm == 64
     # contiguous: 256-row tiles only when the caller's segments allow them; pairs along N only. 4 x 8192 rows,
-    # N = 4096: 128 x 192 in 43 waves x 42.1 = 1808 us against 128 x 256 in 32 x 58.8 = 1882 and 256 x 128 in
-    # 32 x 57.9 = 1853 (measured 1940, 1937-2034, 1983)
-    for max_bm in (128, 256):
-        cont = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=max_bm)
-        assert (cont.bm, cont.bn, cont.mcast) == (128, 192, g.MCAST_SHARE_A)
+    # N = 4096: 128 x 192 in 43 waves x 43.3 = 1861 us against 128 x 256 in 32 x 61.1 = 1956 and 128 x 128 in
+    # 63 x 29.9 = 1884; 256 x 128 in 32 x 57.9 = 1854 when the segments allow it
+    narrow = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=128)
+    assert (narrow.bm, narrow.bn, narrow.mcast) == (128, 192, g.MCAST_SHARE_A)
+    cont = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=256)
+    assert (cont.bm, cont.bn, cont.mcast) == (256, 128, g.MCAST_SHARE_A)
     assert f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=64).bm == 64
     # memory-bound shapes never take 256 columns (one wave of them lost to two of 128 x 128)
     assert f.pick_config(128, 32768, 512, H100).bn == 128
-    # masked, 1024 rows in one group: 256 x 128 (4096 x 7168: 4 waves x 57.9 against 6 x 42.1 for 128 x 192)
+    # masked, 1024 rows in one group: 256 x 128 (4096 x 7168: 4 waves x 57.9 against 6 x 43.3 for 128 x 192)
     assert f.pick_config(1024, 4096, 7168, H100, f.MASKED, 1).bm == 256
 
 

@@ -63,10 +63,9 @@ def _out_bytes(layout: str) -> int:
     return 4 if layout == KGROUPED else 2
 
 
-def _chunk(bn: int, out_bytes: int = 2, bm: int = 128) -> int:
-    """Output columns per epilogue chunk (ptx/gemm_fp8.cu CH): rows of at most 128 bytes (64 for BM = 256 or
-    BN > 192)."""
-    top = (64 if bm == 256 or bn > 192 else 128) // out_bytes
+def _chunk(bn: int, out_bytes: int = 2) -> int:
+    """Output columns per epilogue chunk (ptx/gemm_fp8.cu CH): rows of at most 128 bytes (64 for BN > 192)."""
+    top = (64 if bn > 192 else 128) // out_bytes
     return top if bn % top == 0 else 32 if bn % 32 == 0 else 16
 
 
@@ -77,7 +76,7 @@ def smem_bytes(bm: int, bn: int, stages: int, layout: str = NORMAL) -> int:
     stages_end = stages * (bm * BK + bn * BK + bm * 4 + sb)
     d = -(-stages_end // 1024) * 1024
     ob = _out_bytes(layout)
-    return d + _consumers(bm) * 2 * 64 * _chunk(bn, ob, bm) * ob + 16 * stages + ALIGN_SLACK
+    return d + _consumers(bm) * 2 * 64 * _chunk(bn, ob) * ob + 16 * stages + ALIGN_SLACK
 
 
 def max_stages(bm: int, bn: int, budget: int, layout: str = NORMAL) -> int:
@@ -88,10 +87,10 @@ def max_stages(bm: int, bn: int, budget: int, layout: str = NORMAL) -> int:
 
 
 # Time of one tile in a wave, H100 microseconds: fixed (epilogue, pipeline refill) + per 128-deep k block. Fitted to
-# same-run forced configs on the six M = 4096 benchmark shapes (K = 512..16384; every shape within 3%,
-# docs/perf-notes.md session 11). Per output and k block 128 x 192 is the cheapest main loop (0.73 / 192 columns),
-# and its fixed cost is the lowest per output: a 256-row tile's consumers each store two row blocks.
-TILE_US = {(128, 128): (1.0, 0.523), (128, 192): (1.18, 0.73), (128, 256): (1.98, 1.014), (256, 128): (1.9, 1.0)}
+# one same-run sweep of forced configs on the six M = 4096 benchmark shapes (K = 512..16384: waves x this estimate
+# is within 3% of every measured time, docs/perf-notes.md session 11). 128 x 192 has the cheapest main loop per
+# output (0.75 us per k block for 192 columns); 256 x 128 the least fixed cost per output.
+TILE_US = {(128, 128): (1.12, 0.514), (128, 192): (1.23, 0.751), (128, 256): (1.93, 1.057), (256, 128): (1.37, 1.01)}
 # Other widths of 128-row tiles, relative to 128 x 128 per column and k block (older H200 / H100 sweeps,
 # docs/perf-notes.md sessions 5 and 7): narrow tiles spend more of each k block on promotion and A reads; widths
 # whose tile origins fall at 16-column offsets in B's 128-column scale blocks (144, 176, ...) cost 14-32% more and
@@ -408,7 +407,7 @@ def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, props) -> 
         sb = _mmajor_plan(sbv, av.device)
         map_sb = (dt.float32, (n, kb), (sb.ld * 4,), (cfg.bn, 1), 0)
     ob = _out_bytes(layout)
-    ch = _chunk(cfg.bn, ob, cfg.bm)
+    ch = _chunk(cfg.bn, ob)
     map_d = (dt.float32 if ob == 4 else dt.bfloat16, (n, dv.shape[0]), (dv.strides[0] * ob,), (ch, 64), ch * ob)
     return _Plan(cfg, launch, grid, map_a, map_b, map_sa, map_sb, map_d, sa, sb, (m, n, k, groups))
 
