@@ -42,7 +42,7 @@ def report_problems(c, dynamic_smem: int = 0) -> list[str]:
     if r.static_smem + dynamic_smem > SMEM_LIMIT:
         problems.append(f"smem {r.static_smem + dynamic_smem} B > {SMEM_LIMIT} B")
     if r.wgmma_serialized:
-        problems.append("ptxas serialized the wgmma (C7514: each one waits for the previous)")
+        problems.append("ptxas serialized the wgmma (C7514/C7517/C7520: each one waits for the previous)")
     return problems
 
 

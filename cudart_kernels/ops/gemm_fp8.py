@@ -166,7 +166,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     least waves x estimated tile time (`_tile_us`) among 128 x (64..256) and 256 x 128 (normal GEMM from 512
     rows, masked from 256 rows a group, contiguous when the segments allow it); otherwise (memory-bound) BM 128 and BN
     a multiple of 16 up to MAX_BN_MEMORY_BOUND (or N rounded up to 16) with the fewest waves, then the fullest
-    last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_narrow_rows`). Stages
+    last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_small_m`). Stages
     fill the shared-memory budget. Pairs and tile order as for the BF16 GEMM, but no pairs with
     a single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
     there), and contiguous tiles pair along N only (two tiles along M may belong to two experts)."""
@@ -178,7 +178,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     budget = props.smem_per_block_optin
     top = min(MAX_BN, max(16, -(-n // 16) * 16))
     if bm == 128 and tiles_m >= 2 and n > 128:
-        widths = BN_COST_WGRAD if layout == KGROUPED else list(BN_COST) + [128, 192, 256]
+        widths = BN_COST_WGRAD if layout == KGROUPED else {*BN_COST, *(b for a, b in TILE_US if a == 128)}
         cands = [(128, b) for b in widths if b <= top]
         tall = {NORMAL: m >= 512, MASKED: m >= 256, CONTIGUOUS: True, KGROUPED: False}[layout]
         if tall and max_bm >= 256:

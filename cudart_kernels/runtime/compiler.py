@@ -69,8 +69,8 @@ class CompileReport:
 
     @property
     def wgmma_serialized(self) -> bool:
-        """ptxas found accumulator registers it could not prove idle and made every wgmma wait for the previous
-        one (its warning C7514; a silent, large slowdown)."""
+        """ptxas made every wgmma wait for the previous one (warnings C7514, C7517, C7520: accumulators it could
+        not prove idle, or a compiler-inserted warpgroup arrive on a divergent path; a silent, large slowdown)."""
         return "wgmma.mma_async instructions are serialized" in self.log
 
     @staticmethod

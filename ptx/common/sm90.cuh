@@ -116,20 +116,18 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-// Arrive on the barrier at the same shared offset as `bar` in the cluster's CTA `rank` (possibly this one).
-// CTA-scope release (the default): a cluster-scope release costs a MEMBAR per arrival (measured: half the stall
-// cycles of a multicast GEMM), and none is needed to free a stage whose reads (wgmma) have completed.
-__device__ __forceinline__ void mbar_arrive_cluster(u64* bar, u32 rank) {
-  asm volatile("{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, %0, %1;\n\t"
-               "mbarrier.arrive.shared::cluster.b64 _, [remote];\n\t}"
-               :: "r"(smem_u32(bar)), "r"(rank) : "memory");
-}
-
 // Address of `p`'s counterpart in the shared memory of the cluster's CTA `rank` (possibly this one).
 __device__ __forceinline__ u32 dsmem_addr(const void* p, u32 rank) {
   u32 r;
   asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_u32(p)), "r"(rank));
   return r;
+}
+
+// Arrive on the barrier at the same shared offset as `bar` in the cluster's CTA `rank` (possibly this one).
+// CTA-scope release (the default): a cluster-scope release costs a MEMBAR per arrival (measured: half the stall
+// cycles of a multicast GEMM), and none is needed to free a stage whose reads (wgmma) have completed.
+__device__ __forceinline__ void mbar_arrive_cluster(u64* bar, u32 rank) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(dsmem_addr(bar, rank)) : "memory");
 }
 
 // ---- inter-CTA signalling (split-K counters) --------------------------------------------------------------------
