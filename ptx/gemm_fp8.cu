@@ -26,7 +26,8 @@
 //
 // BM = 256 (BN <= 128) gives each of the two consumers 128 rows, run as two m64 row blocks one after the other
 // through the one scratch accumulator: a 256-row tile reads a third less from L2 per flop than a 128-row one,
-// and the main loop of the 128-row tiles is bound by those reads (docs/perf-notes.md).
+// and the main loop of the 128-row tiles is bound by those reads (docs/perf-notes.md). The two consumers take
+// turns to issue (PINGPONG).
 //
 // One row block of at most 128 columns per consumer (BM 64 or 128, not the weight gradient): two scratch sets, k
 // block kb + 1 issued before kb is promoted (TwoScratch).
@@ -85,11 +86,21 @@ constexpr int CH_MAX = (A_IN_REGS ? 64 : 128) / OUT_BYTES;
 constexpr int CH = BN % CH_MAX == 0 ? CH_MAX : BN % 32 == 0 ? 32 : 16;
 constexpr int CHUNKS = BN / CH;
 constexpr int CHUNK_BYTES = 64 * CH * OUT_BYTES;
+// Each consumer stages its whole WG_ROWS x BN result (WHOLE_OUT), so the epilogue writes every chunk and then stores
+// them all: no per-chunk barriers, and the wait for the buffers' previous stores falls a main loop after them.
+// 256-column tiles and the weight gradient (fp32) keep a ring of two chunk buffers: their whole slice would cost a
+// stage.
+constexpr bool WHOLE_OUT = !A_IN_REGS && !WGRAD;
+constexpr int OUT_BUFS = WHOLE_OUT ? SUBS * CHUNKS : 2;
 constexpr int CLUSTER = MCAST ? 2 : KSPLIT;
 constexpr int ACC = BN / 2;  // fp32 accumulator registers per thread for m64nBN
 // Two scratch sets (TwoScratch) when a consumer has one row block and the result plus two scratch sets fit (the
 // weight gradient's per-column promotion reads its stage, and keeps the one-set loop).
 constexpr bool SCRATCH2 = SUBS == 1 && HALVES == 1 && !WGRAD && BN <= 128;
+// 256-row tiles: the two consumers take turns to issue their wgmma groups (named barriers 4 and 5), so that one
+// consumer's group runs while the other promotes; issued freely, the two run in step and promote at the same time
+// (H100: 2-9% on every M = 4096 shape; on 128-row tiles it was slower, docs/perf-notes.md session 12).
+constexpr bool PINGPONG = SUBS == 2;
 constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : 232;
 static_assert(BM == 64 || BM == 128 || BM == 256, "BM must be 64, 128 or 256");
@@ -147,7 +158,7 @@ constexpr int SMEM_B = STAGES * A_STAGE;
 constexpr int SMEM_SA = SMEM_B + STAGES * B_STAGE;
 constexpr int SMEM_SB = SMEM_SA + STAGES * SA_STAGE;
 constexpr int SMEM_D = (SMEM_SB + STAGES * SB_STAGE + 1023) / 1024 * 1024;
-constexpr int SMEM_BARS = SMEM_D + CONSUMERS * 2 * CHUNK_BYTES;  // then 2 x STAGES mbarriers
+constexpr int SMEM_BARS = SMEM_D + CONSUMERS * OUT_BUFS * CHUNK_BYTES;  // then 2 x STAGES mbarriers
 static_assert(KSPLIT == 1 || CONSUMERS * 64 * SPLIT_ROW(BN) * 4 <= SMEM_BARS, "split-K partials reuse the stages");
 
 // One k block of 128 (four k32 steps, 32 e4m3 = 32 bytes = 2 descriptor units along K) into `part`, with A from
@@ -369,12 +380,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   const int c = wg - 1;  // which 64-row slice of the tile
   const int warp = tid / 32, lane = tid % 32;
   const int n_blocks = (N + 127) / 128;
-  u8* d_smem = smem + SMEM_D + c * 2 * CHUNK_BYTES;
+  u8* d_smem = smem + SMEM_D + c * OUT_BUFS * CHUNK_BYTES;
   float acc[SUBS][ACC], part[PART_N / 2];
+  // Descriptors of stage 0 (this consumer's rows of A, and B): a stage's are these plus its offset, which keeps
+  // the address arithmetic between a stage's full barrier and its first wgmma short.
+  const u64 da0 = wgmma_desc_sw128(smem + c * WG_ROWS * 128), db0 = wgmma_desc_sw128(smem + SMEM_B);
 
   int s = 0;
   u32 phase = 0;
   u32 chunk_seq = 0;
+  if (PINGPONG && c == 1) named_barrier_arrive(4, 256);  // consumer 0 issues first
   for (int unit = first_unit; unit < units; unit += unit_step) {
     const Tile t = tile_of(unit, per_group, cl_tiles_m, cl_tiles_n, group_m, rank, info, M, N, K, groups);
     if (t.skip) continue;
@@ -393,8 +408,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
 
     if constexpr (SCRATCH2) {
       TwoScratch ts;
-      ts.da0 = wgmma_desc_sw128(smem + c * 64 * 128);
-      ts.db0 = wgmma_desc_sw128(smem + SMEM_B);
+      ts.da0 = da0;
+      ts.db0 = db0;
       ts.full = full;
       ts.empty = empty;
       ts.smem = smem;
@@ -419,8 +434,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
       const float scale_b1 = !WGRAD && SB_BLOCKS > 1 ? __ldg(sbk + sb_next1) : 0.f;
       const float scale_b2 = !WGRAD && SB_BLOCKS > 2 ? __ldg(sbk + sb_next2) : 0.f;
       sbk += sb_col;
-      mbar_wait(&full[s], phase);
-      const float* sa_stage = reinterpret_cast<const float*>(smem + SMEM_SA + s * SA_STAGE) + c * WG_ROWS + warp * 16;
+      u64 da = da0 + u64(s * (A_STAGE >> 4)), db = db0 + u64(s * (B_STAGE >> 4));
+      compute_here(da);
+      compute_here(db);
+      const float* sa_stage;
+      if constexpr (SUBS == 2) {  // sA's address too (H100: 4-9% on 256 x 128 tiles; 128 x 192 tiles would spill)
+        u64 sa_addr = reinterpret_cast<u64>(smem + SMEM_SA + s * SA_STAGE) + (c * WG_ROWS + warp * 16) * 4;
+        compute_here(sa_addr);
+        mbar_wait(&full[s], phase);
+        sa_stage = reinterpret_cast<const float*>(sa_addr);
+      } else {
+        mbar_wait(&full[s], phase);
+        sa_stage = reinterpret_cast<const float*>(smem + SMEM_SA + s * SA_STAGE) + c * WG_ROWS + warp * 16;
+      }
       const float* sb_stage = reinterpret_cast<const float*>(smem + SMEM_SB + s * SB_STAGE) + (lane % 4) * 2;
       float scale_a[SUBS][2];
       u32 a_frag[BK / 32][4];  // A_IN_REGS: this warp's 16 rows of A, one x4 matrix set per k32 step
@@ -437,11 +463,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
         // One m64 row block (BM = 256: two per k block) or column half (A_IN_REGS) at a time through the one
         // scratch accumulator.
         const int sub = A_IN_REGS ? 0 : u, half = A_IN_REGS ? u : 0;
-        const u64 db = wgmma_desc_sw128(smem + SMEM_B + s * B_STAGE + half * PART_N * 128);
+        if (PINGPONG) named_barrier(4 + c, 256);  // this consumer's turn to issue
         wgmma_fence();
-        qgmma_k_block<A_IN_REGS>(part, a_frag, wgmma_desc_sw128(smem + s * A_STAGE + (c * WG_ROWS + sub * 64) * 128),
-                                 db);
+        qgmma_k_block<A_IN_REGS>(part, a_frag, da + u64(sub * (64 * 128 >> 4)), db + u64(half * (PART_N * 128 >> 4)));
         wgmma_commit();
+        if (PINGPONG) named_barrier_arrive(4 + (c ^ 1), 256);  // the other consumer's turn
         if (u == 0) {
 #pragma unroll
           for (int v = 0; v < SUBS; ++v) {  // rows r and r + 8 of each row block
@@ -493,6 +519,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
                                           u32x2{f32x2_to_bf16x2(v.x, v.y), f32x2_to_bf16x2(v.z, v.w)};
                                   });
 #else
+    if (WHOLE_OUT && tid == 0) bulk_wait_read<0>();  // the previous tile's stores are done reading the buffers
 #pragma unroll
     for (int u = 0; u < SUBS; ++u) {
       const float* a = acc[u];
@@ -523,18 +550,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
           continue;
         }
       }
-      tma_store_chunks<CHUNKS, CH, WGRAD>(&tm_d, d_smem, CHUNK_BYTES, chunk_seq, n0, t.d_row + r0, tid, 1 + c,
-                                          [&](int j, u8* buf) {
-                                            if constexpr (WGRAD) {
-                                              f32_chunk<CH>(a, j, buf, warp, lane);
-                                            } else {
-                                              stmatrix_chunk<CH>(a, j, buf, warp, lane, [](float x, float y) {
-                                                return f32x2_to_bf16x2(x, y);
-                                              });
-                                            }
-                                          });
+      const auto write = [&](int j, u8* buf) {
+        if constexpr (WGRAD) {
+          f32_chunk<CH>(a, j, buf, warp, lane);
+        } else {
+          stmatrix_chunk<CH>(a, j, buf, warp, lane, [](float x, float y) { return f32x2_to_bf16x2(x, y); });
+        }
+      };
+      if constexpr (WHOLE_OUT) {
+        tma_store_all<CHUNKS, CH>(&tm_d, d_smem + u * CHUNKS * CHUNK_BYTES, CHUNK_BYTES, n0, t.d_row + r0, tid,
+                                  1 + c, write);
+      } else {
+        tma_store_chunks<CHUNKS, CH, WGRAD>(&tm_d, d_smem, CHUNK_BYTES, chunk_seq, n0, t.d_row + r0, tid, 1 + c,
+                                            write);
+      }
     }
 #endif
   }
+  if (PINGPONG && c == 0) named_barrier(4, 256);  // consumer 1's last hand-over
   if (tid == 0) bulk_wait<0>();
 }

@@ -70,13 +70,17 @@ def _chunk(bn: int, out_bytes: int = 2) -> int:
 
 
 def smem_bytes(bm: int, bn: int, stages: int, layout: str = NORMAL) -> int:
-    """Mirror of ptx/gemm_fp8.cu's layout: A, B, sA (and for the weight gradient sB) stages, the output chunks from
-    a 1024-byte boundary, two barriers per stage, alignment slack."""
+    """Mirror of ptx/gemm_fp8.cu's layout: A, B, sA (and for the weight gradient sB) stages, the output buffers
+    (WHOLE_OUT or two chunks per consumer) from a 1024-byte boundary, two barriers per stage, alignment slack."""
     sb = -(-bn * 4 // 128) * 128 if layout == KGROUPED else 0  # each stage's at a 128-byte boundary
     stages_end = stages * (bm * BK + bn * BK + bm * 4 + sb)
     d = -(-stages_end // 1024) * 1024
     ob = _out_bytes(layout)
-    return d + _consumers(bm) * 2 * 64 * _chunk(bn, ob) * ob + 16 * stages + ALIGN_SLACK
+    if bn <= 192 and layout != KGROUPED:  # WHOLE_OUT: every consumer stages its whole slice of the tile
+        out = bm * bn * ob
+    else:                                 # a ring of two 64-row chunk buffers per consumer
+        out = _consumers(bm) * 2 * 64 * _chunk(bn, ob) * ob
+    return d + out + 16 * stages + ALIGN_SLACK
 
 
 def max_stages(bm: int, bn: int, budget: int, layout: str = NORMAL) -> int:
@@ -88,9 +92,9 @@ def max_stages(bm: int, bn: int, budget: int, layout: str = NORMAL) -> int:
 
 # Time of one tile in a wave, H100 microseconds: fixed (epilogue, pipeline refill) + per 128-deep k block. Fitted to
 # one same-run sweep of forced configs on the six M = 4096 benchmark shapes (K = 512..16384: waves x this estimate
-# is within 3% of every measured time, docs/perf-notes.md session 11). 128 x 192 has the cheapest main loop per
-# output (0.75 us per k block for 192 columns); 256 x 128 the least fixed cost per output.
-TILE_US = {(128, 128): (1.12, 0.514), (128, 192): (1.23, 0.751), (128, 256): (1.93, 1.057), (256, 128): (1.37, 1.01)}
+# is within 3% of every measured time, docs/perf-notes.md session 11); 256 x 128 refitted after its consumers took
+# turns to issue and its epilogue staged whole slices (session 12: within 1% on the five M = 4096 shapes it runs).
+TILE_US = {(128, 128): (1.12, 0.514), (128, 192): (1.23, 0.751), (128, 256): (1.93, 1.057), (256, 128): (1.04, 0.94)}
 # Other widths of 128-row tiles, relative to 128 x 128 per column and k block (older H200 / H100 sweeps,
 # docs/perf-notes.md sessions 5 and 7): narrow tiles spend more of each k block on promotion and A reads; widths
 # whose tile origins fall at 16-column offsets in B's 128-column scale blocks (144, 176, ...) cost 14-32% more and

@@ -103,6 +103,24 @@ __device__ __forceinline__ void tma_store_chunks(const CUtensorMap_st* map, u8* 
   }
 }
 
+// As tma_store_chunks with a buffer for every chunk (`bufs`: CHUNKS x chunk_bytes): the warpgroup writes all
+// chunks, then thread 0 issues all stores. Two named barriers and one proxy fence per call instead of per chunk.
+// The caller's thread 0 must have waited (bulk_wait_read<0>) for the stores that last read `bufs` before the call.
+template <int CHUNKS, int CH, typename Write>
+__device__ __forceinline__ void tma_store_all(const CUtensorMap_st* map, u8* bufs, int chunk_bytes, int col0,
+                                              int row0, int tid, int bar, Write write) {
+  named_barrier(bar, 128);
+#pragma unroll
+  for (int j = 0; j < CHUNKS; ++j) write(j, bufs + j * chunk_bytes);
+  fence_proxy_async_smem();
+  named_barrier(bar, 128);
+  if (tid == 0) {
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) tma_store_2d(map, bufs + j * chunk_bytes, col0 + j * CH, row0);
+    bulk_commit();
+  }
+}
+
 // Thread 0 initialises the stage barriers (full: the producer's one arrival plus the TMA bytes; empty: one
 // arrival per consumer warp of every CTA that writes into this CTA's stages), then the whole CTA, or in a cluster
 // the whole cluster, synchronises: the other CTAs' barriers exist before any multicast or remote arrival.

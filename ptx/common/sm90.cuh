@@ -167,6 +167,10 @@ __device__ __forceinline__ f32x4 ld_dsmem_f32x4(u32 addr) {
   return v;
 }
 
+// Pins the computation of x at this point of the program: ptxas otherwise sinks address arithmetic below the next
+// mbarrier wait, onto the path from a stage's arrival to the wgmma that consumes it.
+__device__ __forceinline__ void compute_here(u64& x) { asm volatile("" : "+l"(x)); }
+
 // ---- wgmma -------------------------------------------------------------------------------------------------------
 // Descriptor of a K-major tile written by TMA with 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes
 // apart (stride byte offset), leading byte offset unused, the tile 1024-byte aligned (base offset 0).
@@ -268,6 +272,11 @@ __device__ __forceinline__ void regs_decrease() {
 // Barrier among `threads` threads (a multiple of 32) on hardware barrier `id` (1..15; 0 is __syncthreads).
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+
+// Arrives on hardware barrier `id` without waiting: the other side of another warpgroup's named_barrier.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
 }
 
 // named_barrier that also returns whether `pred` holds in every participating thread.
