@@ -77,6 +77,14 @@ for bm in (128, 64):
     f._plans.clear()
     d = ck.gemm_fp8(qa, sa, qb, sb)
     assert np.abs(d.numpy().astype(np.float64) - ref8).max() < 2e-2 * np.abs(ref8).max(), bm
+# 256-row tiles (two row blocks per consumer; the consumers take turns to issue), alone and in pairs sharing A.
+for mode in (g.MCAST_NONE, g.MCAST_SHARE_A):
+    f.pick_config = lambda m, n, k, props, layout=f.NORMAL, groups=1, max_bm=256, mode=mode: f.Fp8Config(
+        256, 128, 3, f.smem_bytes(256, 128, 3, layout), mode, 1, layout)
+    f._plans.clear()
+    d = ck.gemm_fp8(qa, sa, qb, sb)
+    assert {(p.cfg.bm, p.cfg.mcast) for p in f._plans.values()} == {(256, mode)}
+    assert np.abs(d.numpy().astype(np.float64) - ref8).max() < 2e-2 * np.abs(ref8).max(), mode
 # Split-K through the cluster's shared memory (2 and 3 K slices; 5 k blocks do not divide by either).
 for bm, bn, splits in ((64, 32, 2), (128, 64, 3)):
     f.pick_config = lambda m, n, k, props, layout=f.NORMAL, groups=1, max_bm=256, t=(bm, bn, splits): f.Fp8Config(
