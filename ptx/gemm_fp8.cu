@@ -86,11 +86,12 @@ constexpr int CH_MAX = (A_IN_REGS ? 64 : 128) / OUT_BYTES;
 constexpr int CH = BN % CH_MAX == 0 ? CH_MAX : BN % 32 == 0 ? 32 : 16;
 constexpr int CHUNKS = BN / CH;
 constexpr int CHUNK_BYTES = 64 * CH * OUT_BYTES;
-// Each consumer stages its whole WG_ROWS x BN result (WHOLE_OUT), so the epilogue writes every chunk and then stores
-// them all: no per-chunk barriers, and the wait for the buffers' previous stores falls a main loop after them.
-// 256-column tiles and the weight gradient (fp32) keep a ring of two chunk buffers: their whole slice would cost a
-// stage.
-constexpr bool WHOLE_OUT = !A_IN_REGS && !WGRAD;
+// Tiles of 128..192 columns: each consumer stages its whole WG_ROWS x BN result (WHOLE_OUT), so the epilogue writes
+// every chunk and then stores them all: no per-chunk barriers, and the wait for the buffers' previous stores falls
+// a main loop after them (H100: 3-10% on K <= 2048 at M = 4096, docs/perf-notes.md session 12). 256-column tiles and
+// the weight gradient (fp32) keep a ring of two chunk buffers (their whole slice would cost a stage), and so do
+// narrower tiles (a single row of tiles, where it measured no better).
+constexpr bool WHOLE_OUT = !A_IN_REGS && !WGRAD && BN >= 128;
 constexpr int OUT_BUFS = WHOLE_OUT ? SUBS * CHUNKS : 2;
 constexpr int CLUSTER = MCAST ? 2 : KSPLIT;
 constexpr int ACC = BN / 2;  // fp32 accumulator registers per thread for m64nBN

@@ -76,7 +76,7 @@ def smem_bytes(bm: int, bn: int, stages: int, layout: str = NORMAL) -> int:
     stages_end = stages * (bm * BK + bn * BK + bm * 4 + sb)
     d = -(-stages_end // 1024) * 1024
     ob = _out_bytes(layout)
-    if bn <= 192 and layout != KGROUPED:  # WHOLE_OUT: every consumer stages its whole slice of the tile
+    if 128 <= bn <= 192 and layout != KGROUPED:  # WHOLE_OUT: every consumer stages its whole slice of the tile
         out = bm * bn * ob
     else:                                 # a ring of two 64-row chunk buffers per consumer
         out = _consumers(bm) * 2 * 64 * _chunk(bn, ob) * ob
