@@ -307,11 +307,16 @@ __device__ __forceinline__ Tile tile_of(int unit, int per_group, int cl_tiles_m,
   return t;
 }
 
-// Row r (from the tile's origin) of the tile may be written.
-__device__ __forceinline__ bool row_writable(const Tile& t, int r, const int* info) {
+// LAYOUT_CONTIGUOUS: the group of row r (from the tile's origin), -1 past the rows.
+__device__ __forceinline__ int row_group(const Tile& t, int r, const int* info) {
   const int row = t.m0 + r;
-  if constexpr (LAYOUT == LAYOUT_CONTIGUOUS) return row < t.rows && __ldg(info + row) == t.g;
-  return row < t.rows;
+  return row < t.rows ? __ldg(info + row) : -1;
+}
+
+// Row r of the tile may be written (`group`: row_group's value for the contiguous layout, unused otherwise).
+__device__ __forceinline__ bool row_writable(const Tile& t, int r, int group) {
+  if constexpr (LAYOUT == LAYOUT_CONTIGUOUS) return group == t.g;  // a tile that is not skipped has t.g >= 0
+  return t.m0 + r < t.rows;
 }
 
 // tm_a / tm_b: boxes {128, BM} / {128, BN} (halves under multicast), 128-byte swizzle; tm_sa: the M-major scales
@@ -394,6 +399,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   for (int unit = first_unit; unit < units; unit += unit_step) {
     const Tile t = tile_of(unit, per_group, cl_tiles_m, cl_tiles_n, group_m, rank, info, M, N, K, groups);
     if (t.skip) continue;
+    int row_groups[SUBS][2];  // contiguous: this thread's rows' groups, loaded now, compared in the epilogue
+    if constexpr (LAYOUT == LAYOUT_CONTIGUOUS) {
+#pragma unroll
+      for (int u = 0; u < SUBS; ++u)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) row_groups[u][h] = row_group(t, c * WG_ROWS + u * 64 + warp * 16 + lane / 4 + 8 * h, info);
+    }
     const int n0 = t.n0;
     // Column group i (8 columns) of this tile lies in B's scale block n0 / 128 + (8 i >= first_next) +
     // (8 i >= first_next + 128) (first_next: 16..128). Blocks past N are clamped (their columns are not stored).
@@ -528,7 +540,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
       if (t.m0 + r0 >= t.rows || n0 >= N) continue;  // a slice past the edge (or a cluster's spare tile)
       if constexpr (LAYOUT != LAYOUT_NORMAL) {
         const int r = r0 + warp * 16 + lane / 4;  // this thread's rows r and r + 8
-        const bool ok0 = row_writable(t, r, info), ok1 = row_writable(t, r + 8, info);
+        const bool ok0 = row_writable(t, r, row_groups[u][0]), ok1 = row_writable(t, r + 8, row_groups[u][1]);
         if (!named_barrier_all(1 + c, 128, ok0 && ok1)) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
@@ -559,8 +571,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
         }
       };
       if constexpr (WHOLE_OUT) {
-        tma_store_all<CHUNKS, CH>(&tm_d, d_smem + u * CHUNKS * CHUNK_BYTES, CHUNK_BYTES, n0, t.d_row + r0, tid,
-                                  1 + c, write);
+        // Other layouts met on the row check's barrier above.
+        tma_store_all<CHUNKS, CH, LAYOUT != LAYOUT_NORMAL>(&tm_d, d_smem + u * CHUNKS * CHUNK_BYTES, CHUNK_BYTES, n0,
+                                                           t.d_row + r0, tid, 1 + c, write);
       } else {
         tma_store_chunks<CHUNKS, CH, WGRAD>(&tm_d, d_smem, CHUNK_BYTES, chunk_seq, n0, t.d_row + r0, tid, 1 + c,
                                             write);
