@@ -399,8 +399,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   for (int unit = first_unit; unit < units; unit += unit_step) {
     const Tile t = tile_of(unit, per_group, cl_tiles_m, cl_tiles_n, group_m, rank, info, M, N, K, groups);
     if (t.skip) continue;
-    int row_groups[SUBS][2];  // contiguous: this thread's rows' groups, loaded now, compared in the epilogue
-    if constexpr (LAYOUT == LAYOUT_CONTIGUOUS) {
+    // Contiguous 256-row tiles: this thread's rows' groups, loaded now and compared in the epilogue (128-row
+    // tiles load them there: held through the main loop, they made NVRTC 13.5's ptxas spill on 128 x 192).
+    int row_groups[SUBS][2];
+    if constexpr (LAYOUT == LAYOUT_CONTIGUOUS && SUBS == 2) {
 #pragma unroll
       for (int u = 0; u < SUBS; ++u)
 #pragma unroll
@@ -540,6 +542,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
       if (t.m0 + r0 >= t.rows || n0 >= N) continue;  // a slice past the edge (or a cluster's spare tile)
       if constexpr (LAYOUT != LAYOUT_NORMAL) {
         const int r = r0 + warp * 16 + lane / 4;  // this thread's rows r and r + 8
+        if constexpr (LAYOUT == LAYOUT_CONTIGUOUS && SUBS == 1) {
+          row_groups[u][0] = row_group(t, r, info);
+          row_groups[u][1] = row_group(t, r + 8, info);
+        }
         const bool ok0 = row_writable(t, r, row_groups[u][0]), ok1 = row_writable(t, r + 8, row_groups[u][1]);
         if (!named_barrier_all(1 + c, 128, ok0 && ok1)) {
 #pragma unroll
