@@ -182,7 +182,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
   const int k_blocks = (K + BK - 1) / BK;
   const int first_unit = blockIdx.x / CLUSTER, unit_step = gridDim.x / CLUSTER;
   const u32 rank = MCAST ? cluster_rank() : 0;
-  const int wg = threadIdx.x / 128;
+  const int wg = warpgroup_index();
   const int tid = threadIdx.x % 128;
 
   if (threadIdx.x == 0) {

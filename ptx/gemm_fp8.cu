@@ -340,7 +340,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   const int units = PER_GROUP_TILES ? groups * per_group : per_group;
   const int first_unit = blockIdx.x / CLUSTER, unit_step = gridDim.x / CLUSTER;
   const u32 rank = CLUSTER > 1 ? cluster_rank() : 0;
-  const int wg = threadIdx.x / 128;
+  const int wg = warpgroup_index();
   const int tid = threadIdx.x % 128;
 
   if (threadIdx.x == 0) {

@@ -259,6 +259,17 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 // ---- warp specialisation -----------------------------------------------------------------------------------------
+// This thread's warpgroup, as a value ptxas knows to be warp-uniform (a shuffle from lane 0): whatever derives
+// from it (a consumer's wgmma descriptors) then lives in uniform registers, and a wgmma group issues back to back.
+// From threadIdx.x / 128 directly, ptxas built each descriptor in ordinary registers and moved it over with R2UR:
+// ~50 instructions between the four wgmma of a group (FP8 256 x 128: 10-13% of the main loop, H100).
+__device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0); }
+
+// A value that every lane of the warp holds alike (loaded from memory, say), marked warp-uniform in the same way:
+// loop bounds and branches that depend on it then keep the loop's own state in uniform registers. All 32 lanes
+// must call it.
+__device__ __forceinline__ int warp_uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
+
 template <int REGS>
 __device__ __forceinline__ void regs_increase() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(REGS));
@@ -279,12 +290,13 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
 }
 
-// named_barrier that also returns whether `pred` holds in every participating thread.
+// named_barrier that also returns whether `pred` holds in every participating thread (warp-uniform: a branch on
+// it leaves the enclosing loop's state in uniform registers).
 __device__ __forceinline__ bool named_barrier_all(int id, int threads, bool pred) {
   u32 all;
   asm volatile(
       "{\n\t.reg .pred p, q;\n\tsetp.ne.u32 p, %1, 0;\n\tbar.red.and.pred q, %2, %3, p;\n\t"
       "selp.u32 %0, 1, 0, q;\n\t}"
       : "=r"(all) : "r"(u32(pred)), "r"(id), "r"(threads) : "memory");
-  return all != 0;
+  return warp_uniform(int(all)) != 0;
 }
