@@ -291,8 +291,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     // Epilogue: registers -> shared (64 x CH chunks, two buffers) -> TMA store or reduce-add.
 #if EPI != EPI_STORE
     const int slice = (wk.tn * tiles_m + wk.tm) * CONSUMERS + c;
-    if (DETERMINISTIC && splits > 1 && tid == 0) {
-      while (load_acquire_gpu(&counters[slice]) != split) {  // K order: wait for the previous split's add
+    // The waits below spin in the whole of warp 0 on a warp-uniform value, not in thread 0 alone: a spin loop in
+    // one thread makes the consumer's control flow divergent to ptxas, which then keeps the main loop's stage and
+    // wgmma descriptors in ordinary registers (R2UR before every wgmma).
+    const bool lead_warp = warp_uniform(warp) == 0;
+    if (DETERMINISTIC && splits > 1 && lead_warp) {
+      while (warp_uniform(load_acquire_gpu(&counters[slice])) != split) {  // K order: the previous split's add
       }
     }
 #endif
@@ -302,26 +306,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     // With every unit resident at once (one wave), all splits of a slice wait until the last partial is in and each
     // then finishes 1/S of its rows; otherwise (forced splits beyond one wave) the last split finishes the slice.
     const bool spread = EPI == EPI_SPLIT && units <= unit_step;
-    if (tid == 0 && COUNTED && splits > 1) {
-      bulk_wait<0>();  // the partial is in global memory, not just read out of shared memory
+    if (lead_warp && COUNTED && splits > 1) {
+      bulk_wait<0>();  // the partial is in global memory, not just read out of shared memory (thread 0's stores)
       fence_proxy_async_global();
       fence_acq_rel_gpu();
       bool last;
       if (DETERMINISTIC) {
         last = split == splits - 1;
-        if (!last || spread) store_release_gpu(&counters[slice], split + 1);
+        if ((!last || spread) && lane == 0) store_release_gpu(&counters[slice], split + 1);
       } else {
-        last = atomic_add_relaxed_gpu(&counters[slice], 1) == splits - 1;
+        last = warp_uniform(lane == 0 ? atomic_add_relaxed_gpu(&counters[slice], 1) : 0) == splits - 1;
       }
       if (spread) {
-        while (load_acquire_gpu(&counters[slice]) < splits) {
+        while (warp_uniform(load_acquire_gpu(&counters[slice])) < splits) {
         }
       }
       if (last || spread) {
         fence_acq_rel_gpu();
         fence_proxy_async_global();
       }
-      flags[c] = last || spread;
+      if (lane == 0) flags[c] = last || spread;
     }
 #if EPI == EPI_SPLIT
     if (splits > 1) {
