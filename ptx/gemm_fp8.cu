@@ -26,8 +26,9 @@
 //
 // BM = 256 (BN <= 128) gives each of the two consumers 128 rows, run as two m64 row blocks one after the other
 // through the one scratch accumulator: a 256-row tile reads a third less from L2 per flop than a 128-row one,
-// and the main loop of the 128-row tiles is bound by those reads (docs/perf-notes.md). The two consumers take
-// turns to issue (PINGPONG).
+// and the main loop of the 128-row tiles is bound by those reads (docs/perf-notes.md). The two consumers issue
+// freely: with the descriptors in uniform registers, making them take turns (named-barrier ping-pong) no longer
+// paid (H100: 1-3% slower, docs/perf-notes.md session 13).
 //
 // One row block of at most 128 columns per consumer (BM 64 or 128, not the weight gradient): two scratch sets, k
 // block kb + 1 issued before kb is promoted (TwoScratch).
@@ -98,10 +99,6 @@ constexpr int ACC = BN / 2;  // fp32 accumulator registers per thread for m64nBN
 // Two scratch sets (TwoScratch) when a consumer has one row block and the result plus two scratch sets fit (the
 // weight gradient's per-column promotion reads its stage, and keeps the one-set loop).
 constexpr bool SCRATCH2 = SUBS == 1 && HALVES == 1 && !WGRAD && BN <= 128;
-// 256-row tiles: the two consumers take turns to issue their wgmma groups (named barriers 4 and 5), so that one
-// consumer's group runs while the other promotes; issued freely, the two run in step and promote at the same time
-// (H100: 2-9% on every M = 4096 shape; on 128-row tiles it was slower, docs/perf-notes.md session 12).
-constexpr bool PINGPONG = SUBS == 2;
 constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : 232;
 static_assert(BM == 64 || BM == 128 || BM == 256, "BM must be 64, 128 or 256");
@@ -395,7 +392,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   int s = 0;
   u32 phase = 0;
   u32 chunk_seq = 0;
-  if (PINGPONG && c == 1) named_barrier_arrive(4, 256);  // consumer 0 issues first
   for (int unit = first_unit; unit < units; unit += unit_step) {
     const Tile t = tile_of(unit, per_group, cl_tiles_m, cl_tiles_n, group_m, rank, info, M, N, K, groups);
     if (t.skip) continue;
@@ -478,11 +474,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
         // One m64 row block (BM = 256: two per k block) or column half (A_IN_REGS) at a time through the one
         // scratch accumulator.
         const int sub = A_IN_REGS ? 0 : u, half = A_IN_REGS ? u : 0;
-        if (PINGPONG) named_barrier(4 + c, 256);  // this consumer's turn to issue
         wgmma_fence();
         qgmma_k_block<A_IN_REGS>(part, a_frag, da + u64(sub * (64 * 128 >> 4)), db + u64(half * (PART_N * 128 >> 4)));
         wgmma_commit();
-        if (PINGPONG) named_barrier_arrive(4 + (c ^ 1), 256);  // the other consumer's turn
         if (u == 0) {
 #pragma unroll
           for (int v = 0; v < SUBS; ++v) {  // rows r and r + 8 of each row block
@@ -587,6 +581,5 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
     }
 #endif
   }
-  if (PINGPONG && c == 0) named_barrier(4, 256);  // consumer 1's last hand-over
   if (tid == 0) bulk_wait<0>();
 }

@@ -21,6 +21,7 @@ BK = 128                 # k per stage: 128 e4m3 bytes, one scale block
 MAX_BN = 256             # above 192 a k block runs as two column halves through one scratch set (A in registers)
 MAX_BN_MEMORY_BOUND = 192  # one wave of 256-wide tiles ran 10-25% slower than two of 128 (docs/perf-notes.md)
 MAX_STAGES = 12
+MIN_STAGES = 4  # the stage cap of pick_config never goes below this
 ALIGN_SLACK = 1024
 _ARGS = ("tmap", "tmap", "tmap", "tmap", "tmap", "ptr", "i64", "i64", "i64", "ptr", "ptr", "i64", "i32", "i32",
          "i32", "i32", "i32")
@@ -171,7 +172,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     rows, masked from 256 rows a group, contiguous when the segments allow it); otherwise (memory-bound) BM 128 and BN
     a multiple of 16 up to MAX_BN_MEMORY_BOUND (or N rounded up to 16) with the fewest waves, then the fullest
     last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_small_m`). Stages
-    fill the shared-memory budget. Pairs and tile order as for the BF16 GEMM, but no pairs with
+    fill the shared-memory budget, up to one tile's k blocks (at least MIN_STAGES). Pairs and tile order as for the BF16 GEMM, but no pairs with
     a single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
     there), and contiguous tiles pair along N only (two tiles along M may belong to two experts)."""
     bm = 64 if m <= 64 or max_bm == 64 else 128
@@ -201,7 +202,11 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         bn = _gemm.fewest_waves_bn(m_all, n, bm, widths, props)
         if layout == NORMAL and tiles_m == 1:
             bm, bn, splits = _small_m(m, n, k, bm, bn, props)  # tiles_m stays 1: no pairs (measured without)
-    stages = max_stages(bm, bn, budget, layout)
+    # Stages beyond one tile's k blocks (at least MIN_STAGES) only prefetch the next tile, which competes for DRAM
+    # with this tile's loads: 64x32768x512 (four k blocks) 9.5 us with 4 stages against 10.6 with 8 (H100, rotating
+    # inputs); no benchmark shape with more k blocks lost by the cap (docs/perf-notes.md session 13).
+    k_blocks_tile = -(-(k // groups if layout == KGROUPED else k) // BK)
+    stages = min(max_stages(bm, bn, budget, layout), max(k_blocks_tile, MIN_STAGES))
     # Tiles paired along M share B: they must be of one group (masked, K-grouped: pairs form within a group, so
     # a group of one row of tiles would pair with an idle spare; contiguous: never).
     share_b = layout == NORMAL or (per_group and -(-m // bm) >= 2)
