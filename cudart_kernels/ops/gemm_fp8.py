@@ -172,9 +172,10 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     rows, masked from 256 rows a group, contiguous when the segments allow it); otherwise (memory-bound) BM 128 and BN
     a multiple of 16 up to MAX_BN_MEMORY_BOUND (or N rounded up to 16) with the fewest waves, then the fullest
     last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_small_m`). Stages
-    fill the shared-memory budget, up to one tile's k blocks (at least MIN_STAGES). Pairs and tile order as for the BF16 GEMM, but no pairs with
-    a single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
-    there), and contiguous tiles pair along N only (two tiles along M may belong to two experts)."""
+    fill the shared-memory budget, up to one tile's k blocks (at least MIN_STAGES). Pairs and tile order as for
+    the BF16 GEMM, but no pairs with a single row of tiles (sharing A there saved nothing and cost 3-8%) or for the
+    weight gradient (10% slower there), and contiguous tiles pair along N only (two tiles along M may belong to two
+    experts)."""
     bm = 64 if m <= 64 or max_bm == 64 else 128
     splits = 1
     per_group = layout in (MASKED, KGROUPED)
@@ -182,13 +183,13 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     tiles_m = -(-m_all // bm)
     budget = props.smem_per_block_optin
     top = min(MAX_BN, max(16, -(-n // 16) * 16))
+    k_blocks = -(-(k // groups if layout == KGROUPED else k) // BK)  # one tile's k blocks
     if bm == 128 and tiles_m >= 2 and n > 128:
         widths = BN_COST_WGRAD if layout == KGROUPED else {*BN_COST, *(b for a, b in TILE_US if a == 128)}
         cands = [(128, b) for b in widths if b <= top]
         tall = {NORMAL: m >= 512, MASKED: m >= 256, CONTIGUOUS: True, KGROUPED: False}[layout]
         if tall and max_bm >= 256:
             cands.append((256, 128))
-        k_blocks = -(-(k // groups if layout == KGROUPED else k) // BK)  # one tile's k blocks
 
         def cost(c):
             tbm, tbn = c
@@ -205,8 +206,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     # Stages beyond one tile's k blocks (at least MIN_STAGES) only prefetch the next tile, which competes for DRAM
     # with this tile's loads: 64x32768x512 (four k blocks) 9.5 us with 4 stages against 10.6 with 8 (H100, rotating
     # inputs); no benchmark shape with more k blocks lost by the cap (docs/perf-notes.md session 13).
-    k_blocks_tile = -(-(k // groups if layout == KGROUPED else k) // BK)
-    stages = min(max_stages(bm, bn, budget, layout), max(k_blocks_tile, MIN_STAGES))
+    stages = min(max_stages(bm, bn, budget, layout), max(k_blocks, MIN_STAGES))
     # Tiles paired along M share B: they must be of one group (masked, K-grouped: pairs form within a group, so
     # a group of one row of tiles would pair with an idle spare; contiguous: never).
     share_b = layout == NORMAL or (per_group and -(-m // bm) >= 2)
