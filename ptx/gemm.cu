@@ -306,22 +306,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     // With every unit resident at once (one wave), all splits of a slice wait until the last partial is in and each
     // then finishes 1/S of its rows; otherwise (forced splits beyond one wave) the last split finishes the slice.
     const bool spread = EPI == EPI_SPLIT && units <= unit_step;
+    int passed = 0;  // spread: splits past the wait before this one (second round of counts, read after the finish)
     if (lead_warp && COUNTED && splits > 1) {
       bulk_wait<0>();  // the partial is in global memory, not just read out of shared memory (thread 0's stores)
       fence_proxy_async_global();
       fence_acq_rel_gpu();
-      bool last;
+      bool last = false;
       if (DETERMINISTIC) {
         last = split == splits - 1;
         if ((!last || spread) && lane == 0) store_release_gpu(&counters[slice], split + 1);
+      } else if (spread) {
+        if (lane == 0) red_add_relaxed_gpu(&counters[slice], 1);  // no reply to wait for: every split polls below
       } else {
         last = warp_uniform(lane == 0 ? atomic_add_relaxed_gpu(&counters[slice], 1) : 0) == splits - 1;
       }
-      if (spread) {
+      if (spread) {  // the acquire orders the finish's reads of W (generic loads) after the other partials
         while (warp_uniform(load_acquire_gpu(&counters[slice])) < splits) {
+          __nanosleep(32);  // fewer polls of a hot line while the partials still stream into L2
         }
-      }
-      if (last || spread) {
+        if (lane == 0) passed = atomic_add_relaxed_gpu(&counters[slice], 1);  // its reply overlaps the finish
+      } else if (last) {
         fence_acq_rel_gpu();
         fence_proxy_async_global();
       }
@@ -363,11 +367,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
           }
         }
         if (tid == 0) {
-          if (!spread) {
-            counters[slice] = 0;
-          } else if (atomic_add_relaxed_gpu(&counters[slice], 1) == 2 * splits - 1) {
-            counters[slice] = 0;  // every split has passed its wait: the slice is done
-          }
+          if (!spread || passed == 2 * splits - 1) counters[slice] = 0;  // (spread: every split is past its wait)
         }
       }
     }
