@@ -97,7 +97,8 @@ def test_smem_stages_budget():
         smem_stages(0, 0, 1000)
 
 
-GEMM = [v for v in VARIANTS["gemm"]()]
+GEMM = [v for v in VARIANTS["gemm"]() if v[1] == "gemm_kernel"]
+DECODE = [v for v in VARIANTS["gemm"]() if v[1] == "gemm_decode_kernel"]
 
 
 @pytest.mark.parametrize("variant", GEMM, ids=[str(v[2]) for v in GEMM])
@@ -113,6 +114,21 @@ def test_gemm_sass_uses_tensor_cores(variant):
     assert not re.search(r"\b(LDL|STL)\b", text), "local memory in SASS"
     assert "UTMALDG" in text  # TMA loads
     assert ("UTMAREDG" if variant[2]["EPI"] != "EPI_STORE" else "UTMASTG") in text  # TMA reduce-add or store
+
+
+@pytest.mark.parametrize("variant", DECODE, ids=[str(v[2]) for v in DECODE])
+def test_decode_gemm_sass_uses_mma(variant):
+    """The decode GEMM runs on mma.sync (HMMA 16816, fp32 accumulation), loads B with 128-bit loads, and touches
+    no local memory."""
+    import re
+
+    from cudart_kernels.runtime.cubin import sass
+
+    assert DECODE, "the benchmark shapes pick the decode kernel for M = 16"
+    text = sass(compile_kernel(variant[0], variant[1], variant[2], "sm_90a").cubin)
+    assert re.search(r"HMMA\.16816\.F32\.BF16", text), "no bf16 HMMA m16n8k16"
+    assert re.search(r"LDG\.E\S*\.128", text), "no 16-byte global loads"
+    assert not re.search(r"\b(LDL|STL)\b", text), "local memory in SASS"
 
 
 FP8 = [v for v in VARIANTS["gemm_fp8"]() if v[1] == "gemm_fp8_kernel"]

@@ -53,10 +53,11 @@ def test_config_choices():
     assert g.pick_config(4096, 2112, 7168, 2, H100).bn == 176
     # few tiles, long K: split
     assert g.pick_config(128, 128, 65536, 2, H100).splits >= 16
-    # a paired split config counts at PAIRED_FACTOR of its estimate: 128x128x65536 128x64 x 64 paired along N
-    # (17.8 us) rather than 128x48 x 44 unpaired (18.7)
+    # M <= 128 splits with 64-row tiles paired along M: 128x128x65536 64x64 x 30 (16.6 us) rather than 128x64 x 64
+    # paired along N (17.4); M = 256 keeps 128-row tiles
     cfg = g.pick_config(128, 128, 65536, 2, H100)
-    assert (cfg.bn, cfg.splits, cfg.mcast) == (64, 64, g.MCAST_SHARE_A)
+    assert (cfg.bm, cfg.bn, cfg.splits, cfg.mcast) == (64, 64, 30, g.MCAST_SHARE_B)
+    assert (g.pick_config(128, 2048, 28672, 2, H100).bm, g.pick_config(256, 256, 32768, 2, H100).bm) == (64, 128)
     assert g.pick_config(256, 256, 32768, 2, H100).splits >= 8
     # 2048x2048: BN=256 gives 128 tiles, one wave; no split beats a narrower tile with two waves
     assert g.pick_config(2048, 2048, 32768, 2, H100) == g.pick_config(2048, 2048, 32768, 2, H100, split_k=1)
@@ -169,7 +170,7 @@ def test_split_k_forced(rng, shape, splits, out_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(128, 128, 65536), (256, 256, 32768), (16, 1280, 8192)],
+@pytest.mark.parametrize("shape", [(128, 128, 65536), (256, 256, 32768), (17, 1280, 8192)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_split_k_heuristic_and_deterministic_bitwise(rng, shape):
     m, n, k = shape
@@ -273,3 +274,79 @@ def test_cluster_pairs(rng, forced_multicast, mode, shape):
     _check(d.numpy(), d0.astype(np.float64) + 2 * ref, "fp32")
     used |= {p.cfg.mcast for p in g._plans.values()}
     assert mode in used  # the forced pairing really ran
+
+
+# ---- decode path (M <= 16): ptx/gemm_decode.cu --------------------------------------------------------------------
+
+def test_decode_choices():
+    assert g.pick_decode(16, 4096, 8192, H100) == g.DecodeConfig(4, 16)     # 128 CTAs of 32 rows
+    assert g.pick_decode(16, 1280, 8192, H100) == g.DecodeConfig(2, 16)     # 80 CTAs of 16 rows
+    assert g.pick_decode(1, 7168, 16384, H100) == g.DecodeConfig(4, 8)      # 224 CTAs: two per SM
+    assert g.pick_decode(16, 3000, 8192, H100) == g.DecodeConfig(2, 8)
+    for shape in ((17, 4096, 8192), (16, 1024, 8192), (16, 7168, 2048), (16, 32768, 512)):
+        assert g.pick_decode(*shape, H100) is None, shape
+    assert g.pick_decode(16, 4096, 8192, H100, split_k=1) is None          # a forced split runs the wgmma kernel
+    assert g.pick_decode(16, 4096, 8192, H100, b_kn=True) is None
+
+
+@pytest.fixture
+def decode_everywhere(monkeypatch):
+    """Route every M <= 16 shape with B as [N, K] to the decode kernel, short K and small N included."""
+    monkeypatch.setattr(g, "DECODE_MIN_K", 1)
+    monkeypatch.setattr(g, "DECODE_MIN_FILL", 0)
+    g._plans.clear()
+    yield
+    g._plans.clear()
+
+
+DECODE_SHAPES = [(1, 8, 8), (3, 24, 40), (8, 1000, 72), (13, 1288, 1000), (16, 4104, 4104), (16, 2048, 8192),
+                 (5, 7168, 136), (16, 600, 65536), (16, 1280, 8192), (2, 4096, 8200)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype,out_dtype", [("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32"), ("fp16", "fp32")])
+def test_decode_matches_float64(rng, decode_everywhere, shape, dtype, out_dtype):
+    m, n, k = shape
+    assert g.pick_decode(m, n, k, g.device_properties(0)) is not None
+    a, b = _rand(rng, (m, k), dtype), _rand(rng, (n, k), dtype)
+    out = DeviceArray.empty((m, n), out_dtype).fill_bytes(0xFF)
+    ck.gemm(DeviceArray.from_numpy(a), DeviceArray.from_numpy(b), out=out)
+    _check(out.numpy(), a.astype(np.float64) @ b.astype(np.float64).T, out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c_dtype", ["bf16", "fp16", "fp32"])
+def test_decode_c_added_and_accumulate_in_place(rng, decode_everywhere, c_dtype):
+    m, n, k = 11, 1032, 3000
+    a, b = _rand(rng, (m, k), "bf16"), _rand(rng, (n, k), "bf16")
+    da, db = DeviceArray.from_numpy(a), DeviceArray.from_numpy(b)
+    ab = a.astype(np.float64) @ b.astype(np.float64).T
+    cm = _rand(rng, (m, n), c_dtype)
+    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
+    ck.gemm(da, db, out=out, c=DeviceArray.from_numpy(cm))
+    _check(out.numpy(), ab + cm.astype(np.float64), "bf16")
+    d0 = rng.standard_normal((m, n)).astype(np.float32)
+    d = DeviceArray.from_numpy(d0)
+    for _ in range(2):
+        assert ck.gemm(da, db, out=d, c=d) is d
+    _check(d.numpy(), d0.astype(np.float64) + 2 * ab, "fp32")
+
+
+@pytest.mark.gpu
+def test_decode_is_bitwise_stable_and_split_k_forces_the_wgmma_kernel(rng):
+    m, n, k = 16, 1280, 8192
+    assert g.pick_decode(m, n, k, g.device_properties(0)) is not None
+    a, b = _rand(rng, (m, k), "bf16"), _rand(rng, (n, k), "bf16")
+    da, db = DeviceArray.from_numpy(a), DeviceArray.from_numpy(b)
+    out = DeviceArray.empty((m, n), "fp32")
+    first = ck.gemm(da, db, out=out).numpy()
+    _check(first, a.astype(np.float64) @ b.astype(np.float64).T, "fp32")
+    for _ in range(5):
+        out.fill_bytes(0xFF)
+        assert np.array_equal(ck.gemm(da, db, out=out, deterministic=True).numpy().view(np.uint32),
+                              first.view(np.uint32))
+    for split in (1, 4):  # forced split counts run the wgmma kernel: same function
+        out.fill_bytes(0xFF)
+        _check(ck.gemm(da, db, out=out, split_k=split).numpy(), a.astype(np.float64) @ b.astype(np.float64).T,
+               "fp32")

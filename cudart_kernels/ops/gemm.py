@@ -48,6 +48,49 @@ _CLOSE = 1.05                  # estimates this close to the best: take the wide
 # maps, cluster sync) overlaps the previous kernel's tail in the stream; it waits for it before touching memory.
 PDL = True
 
+# Decode-shaped GEMMs (M <= DECODE_MAX_M, B as [N, K], long K, split_k left to the heuristic) run
+# ptx/gemm_decode.cu: each CTA streams 8 * G rows of B over the whole of K with mma.sync, its warps splitting K and
+# summing in shared memory; no split-K workspace or counters. Measured against the split-K wgmma kernel (H100,
+# docs/perf-notes.md, session 15): 16x4096x8192 26.9 vs 28.8 us, 16x2112x7168 14.6 vs 24.8, 16x7168x16384 85.7 vs
+# 89.0, 16x1280x8192 11.7 vs 12.0; it loses where K is short (16x7168x2048 14.6 vs 13.1, 16x32768x512 16.7 vs
+# 14.7) or N small (16x512x8192 8.1 vs 7.4: too few CTAs).
+DECODE = True                # scripts turn it off to compare with the wgmma kernel
+DECODE_MAX_M = 16
+DECODE_MIN_K = 4096
+DECODE_MIN_FILL = 0.6        # 16-row CTAs must busy this share of the SMs
+_DECODE_ARGS = ("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "i32", "i32", "i32")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    g: int          # groups of 8 rows of B per CTA
+    warps: int      # warps per CTA, splitting K
+    depth: int = 2  # k steps (64 deep) each warp keeps in flight (3 or 4 measured no faster; more registers)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+
+def pick_decode(m: int, n: int, k: int, props: DeviceProperties, split_k=None, b_kn: bool = False):
+    """The decode kernel's config, or None where the wgmma kernel is the better (or the only) choice. 32-row CTAs
+    once they cover FULL_GRID of the SMs, else 16-row; 16 warps while the grid fits one CTA per SM, else 8 (two
+    fit per SM). Measured (H100, same process): 16x4096x8192 G4 x 16 warps 26.9 us, G2 x 8 28.0, G8 x 8 32.8;
+    16x1280x8192 G2 x 16 11.7, G4 x 16 15.7, G1 x 16 17.3."""
+    if (not DECODE or m > DECODE_MAX_M or b_kn or split_k is not None or k < DECODE_MIN_K
+            or -(-n // 16) < DECODE_MIN_FILL * props.sm_count):
+        return None
+    g = 4 if -(-n // 32) >= FULL_GRID * props.sm_count else 2
+    return DecodeConfig(g, 16 if -(-n // (8 * g)) <= props.sm_count else 8)
+
+
+def _decode_defines(in_dtype, out_dtype, cfg: DecodeConfig, c_dtype=None) -> dict:
+    d = {"IN_KIND": _KIND[in_dtype], "OUT_KIND": _KIND[out_dtype], "G": cfg.g, "WARPS": cfg.warps,
+         "DEPTH": cfg.depth}
+    if c_dtype is not None:
+        d["C_KIND"] = _KIND[c_dtype]
+    return d
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -156,18 +199,25 @@ def split_time_us(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: 
 # fit does not see. Of 27 skinny shapes only 128x128x65536 changes pick: 128x48 x 44 (18.7 us) -> 128x64 x 64
 # paired along N (17.8; cuBLAS 17.1; H100, same process, 4 rounds).
 PAIRED_FACTOR = 0.95
+# Split-K for M <= this searches 64-row tiles (one consumer; pairs share B along M) instead of 128-row ones: fewer
+# splits for the same grid, so fewer fp32 partials (H100, same process, old -> new pick, us: 128x128x65536 17.4 ->
+# 16.6, 128x2048x28672 51.2 -> 47.7, 96x256x32768 14.0 -> 13.1, 128x1024x32768 33.2 -> 31.2, 128x4096x16384 56.2
+# -> 54.2). Not at M = 256: 256x256x32768 18.8 -> 19.2, 256x512x65536 42.3 -> 46.6 (perf-notes, session 15).
+SPLIT_BM64_MAX_M = 128
 
 
 def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, split_k: int | None = None,
                 accumulate: bool = False, b_kn: bool = False) -> GemmConfig:
     """Block shape, stages and split-K count.
 
-    Without split-K (enough tiles to fill the GPU, or split_k=1): BM is 64 for M <= 64, else 128; BN runs over
+    Without split-K (enough tiles to fill the GPU, or split_k=1): BM is 64 for M <= 64, else 128 (split-K
+    searches 64-row tiles up to M = SPLIT_BM64_MAX_M); BN runs over
     multiples of 16 up to 256 (and N rounded up to 8 when N is small); fewer waves win, then a fuller last wave,
     then the larger tile (the DeepGEMM approach). When the tiles do not fill the GPU, (BN, splits) pairs are
     compared with a throughput model (`_split_time`). `split_k` forces the count. Stages fill the smem budget.
     """
     bm = 64 if m <= 64 else 128
+    split_bm = 64 if m <= SPLIT_BM64_MAX_M else bm
     k_blocks = -(-k // BK)
     budget = props.smem_per_block_optin
     epi_plain = 4 if accumulate else out_bytes
@@ -188,24 +238,24 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
         # The tiles do not fill the GPU: estimate (BN, splits) pairs that fit in one wave of units, and the
         # unsplit config; among those within _CLOSE of the best, the widest tile, then the most units (measured:
         # wide tiles stream DRAM better; the estimates of DRAM-bound configs are nearly equal).
-        cands = [(split_time_us(m, n, k, bm, bn0, 1, props), bn0, 1)]
+        cands = [(split_time_us(m, n, k, bm, bn0, 1, props), bm, bn0, 1)]
         for bn in _split_bn_candidates(n):
-            if max_stages(bm, bn, 4, budget, b_kn) < MIN_SPLIT_STAGES:
+            if max_stages(split_bm, bn, 4, budget, b_kn) < MIN_SPLIT_STAGES:
                 continue
-            tiles = -(-m // bm) * -(-n // bn)
+            tiles = -(-m // split_bm) * -(-n // bn)
             for sp in range(2, min(MAX_SPLITS, k_blocks // MIN_KBLOCKS_PER_SPLIT, props.sm_count // tiles) + 1):
-                t = split_time_us(m, n, k, bm, bn, sp, props)
-                if MULTICAST and pick_multicast(m, n, bm, bn, sp, b_kn, props) != MCAST_NONE:
+                t = split_time_us(m, n, k, split_bm, bn, sp, props)
+                if MULTICAST and pick_multicast(m, n, split_bm, bn, sp, b_kn, props) != MCAST_NONE:
                     t *= PAIRED_FACTOR
-                cands.append((t, bn, sp))
+                cands.append((t, split_bm, bn, sp))
         best = min(c[0] for c in cands)
         close = [c for c in cands if c[0] <= _CLOSE * best]
         # Keep the configs whose units busy nearly every SM, if any: more loads in flight (H100, same process:
         # 16x4096x8192 64x128 x 4, 128 units, 29.2-30.0 us against 64x192 x 4, 88 units, 32.5; 256x512x65536
         # 128x128 x 16, 128 units, 43.3 against 128x192 x 16, 96 units, 47.5).
-        full = [c for c in close if -(-m // bm) * -(-n // c[1]) * c[2] >= FULL_GRID * props.sm_count]
+        full = [c for c in close if -(-m // c[1]) * -(-n // c[2]) * c[3] >= FULL_GRID * props.sm_count]
         close = full or close
-        _, bn, splits = max(close, key=lambda c: (c[1], c[2]))
+        _, bm, bn, splits = max(close, key=lambda c: (c[2], c[3]))
     elif splits > 1:  # forced count: fewest waves of units, then the larger tile
         fits = [b for b in _bn_candidates(n) if max_stages(bm, b, 4, budget, b_kn) >= 2]
         bn = min(fits, key=lambda b: (-(-(-(-m // bm) * -(-n // b) * splits) // props.sm_count), -b))
@@ -327,6 +377,10 @@ def variants():
                     add(cfg, "EPI_SPLIT", out, deterministic=True)
                 else:
                     add(cfg, "EPI_STORE", out)
+            dc = pick_decode(m, n, k, H100)
+            if dc is not None:
+                d = _decode_defines(dt.bfloat16, out, dc)
+                seen[tuple(sorted(d.items()))] = ("gemm_decode.cu", "gemm_decode_kernel", d, 0)
     m, n, k = 4096, 4096, 7168  # the accumulate-into-fp32 benchmark
     add(pick_config(m, n, k, 4, H100, accumulate=True), "EPI_ACCUMULATE", dt.float32)
     for m, n, k in ((8192, 8192, 8192), (128, 128, 65536)):  # B as [K, N]
@@ -415,10 +469,24 @@ def _validate(av, bv, dv, cv, b_kn=False):
         raise ValueError("K must be at least 1")
 
 
-def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, props) -> _Plan:
+@dataclass(frozen=True)
+class _DecodePlan:
+    cfg: DecodeConfig
+    launch: object
+    grid: tuple
+    uses_c: bool
+
+
+def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, props):
     _validate(av, bv, dv, cv, b_kn)
     m, k = av.shape
     n = dv.shape[1]
+    dc = pick_decode(m, n, k, props, split_k, b_kn)
+    if dc is not None:  # bitwise reproducible by construction, so `deterministic` needs nothing more
+        defines = _decode_defines(av.dtype, dv.dtype, dc, None if cv is None else cv.dtype)
+        launch = get_launcher("gemm_decode.cu", "gemm_decode_kernel", defines, av.device, _DECODE_ARGS,
+                              (dc.threads,), 0, pdl=PDL)
+        return _DecodePlan(dc, launch, (-(-n // (8 * dc.g)), 1, 1), cv is not None)
     cfg = pick_config(m, n, k, dv.dtype.itemsize, props, split_k, accumulate, b_kn)
     if accumulate:
         epi = "EPI_ACCUMULATE"
@@ -499,6 +567,11 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
             return dv if out is None else out
         plan = _plans[key] = _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn,
                                    device_properties(av.device))
+    if isinstance(plan, _DecodePlan):
+        c_ptr, ld_c = (cv.ptr, cv.strides[0]) if plan.uses_c else (0, 0)
+        plan.launch(plan.grid, h, av.ptr, av.strides[0], bv.ptr, bv.strides[0], dv.ptr, dv.strides[0], c_ptr, ld_c,
+                    av.shape[0], dv.shape[1], av.shape[1])
+        return dv if out is None else out
     maps = _local.maps
     w_ptr = counters = 0
     if plan.workspace:

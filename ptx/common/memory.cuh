@@ -10,6 +10,14 @@ __device__ __forceinline__ u32x4 ld_stream_16(const void* p) {
   return v;
 }
 
+// The same, asking L2 to fetch the whole 256-byte block around it from DRAM (neighbours read it soon).
+__device__ __forceinline__ u32x4 ld_stream_256(const void* p) {
+  u32x4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ void st_8(void* p, u32 a, u32 b) {
   asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(p), "r"(a), "r"(b) : "memory");
 }

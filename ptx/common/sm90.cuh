@@ -230,6 +230,25 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* row_addr) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(row_addr)) : "memory");
 }
 
+// ---- warp-level tensor-core MMA (mma.sync) -------------------------------------------------------------------------
+// D[16 x 8] += A[16 x 16] B[16 x 8] in fp32 with 16-bit inputs (KIND_BF16 or KIND_FP16). Lane l holds A at rows
+// l / 4 and l / 4 + 8, B at column l / 4, D at rows l / 4 and l / 4 + 8, columns 2 * (l % 4) + {0, 1} (PTX ISA,
+// "m16n8k16" fragments).
+template <int KIND>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  if constexpr (KIND == KIND_BF16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
 // Two matrices; lanes 0..15 give the row addresses.
 __device__ __forceinline__ void stmatrix_x2(void* row_addr, u32 r0, u32 r1) {
   asm volatile("stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1, %2};"
