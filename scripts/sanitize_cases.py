@@ -34,10 +34,18 @@ for _ in range(2):
 acc = DeviceArray.from_numpy(np.zeros((130, 136), np.float32))
 ck.gemm(a, b, out=acc, c=acc, split_k=3)
 assert np.abs(acc.numpy() - ref).max() < 1e-2 * np.abs(ref).max()
+# Decode kernel (M <= 16; forced on for this small N and K), with tails in M, N and K and with C.
+from cudart_kernels.ops import gemm as g  # noqa: E402
+
+g.DECODE_MIN_K, g.DECODE_MIN_FILL = 1, 0
+for kw in ({}, {"c": c_small}):
+    d = ck.gemm(a_small, b_small, out_dtype="float32", **kw)
+    want = ref[:13, :120] + (c_small.numpy() if kw else 0)
+    assert np.abs(d.numpy() - want).max() < 1e-2 * np.abs(want).max(), kw
+assert any(isinstance(p, g._DecodePlan) for p in g._plans.values())
 print("gemm sanitize cases ran")
 
 # 2-CTA clusters with multicast (forced on both sides; odd tile rows leave a spare tile), plain and split-K.
-from cudart_kernels.ops import gemm as g  # noqa: E402
 
 b2 = DeviceArray.from_numpy(rng.standard_normal((256, 520)).astype(ck.bfloat16.numpy))
 ref2 = a.numpy().astype(np.float64) @ b2.numpy().astype(np.float64).T
