@@ -151,6 +151,20 @@ def _check(got, ref, out_dtype):
     assert err <= (1e-4 if out_dtype in ("fp32", "float32") else 1e-2), err
 
 
+def _check_c_added_and_accumulate(rng, da, db, ref, c_dtype):
+    """D = A @ B^T + C into a poisoned bf16 out, then D += A @ B^T twice in place into an fp32 D."""
+    m, n = ref.shape
+    cm = _rand(rng, (m, n), c_dtype)
+    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
+    ck.gemm(da, db, out=out, c=DeviceArray.from_numpy(cm))
+    _check(out.numpy(), ref + cm.astype(np.float64), "bf16")
+    d0 = rng.standard_normal((m, n)).astype(np.float32)
+    d = DeviceArray.from_numpy(d0)
+    for _ in range(2):
+        assert ck.gemm(da, db, out=d, c=d) is d
+    _check(d.numpy(), d0.astype(np.float64) + 2 * ref, "fp32")
+
+
 SPLIT_SHAPES = [(1, 8, 1024), (17, 136, 2000), (33, 104, 3000), (100, 264, 4104), (128, 128, 8192), (300, 40, 3000)]
 
 
@@ -263,15 +277,7 @@ def test_cluster_pairs(rng, forced_multicast, mode, shape):
         ck.gemm(da, db, out=out, split_k=split, deterministic=det)
         _check(out.numpy(), ref, out_dtype)
         used |= {p.cfg.mcast for p in g._plans.values()}
-    cm = _rand(rng, (m, n), "fp16")
-    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
-    ck.gemm(da, db, out=out, c=DeviceArray.from_numpy(cm))
-    _check(out.numpy(), ref + cm.astype(np.float64), "bf16")
-    d0 = rng.standard_normal((m, n)).astype(np.float32)
-    d = DeviceArray.from_numpy(d0)
-    for _ in range(2):
-        ck.gemm(da, db, out=d, c=d)
-    _check(d.numpy(), d0.astype(np.float64) + 2 * ref, "fp32")
+    _check_c_added_and_accumulate(rng, da, db, ref, "fp16")
     used |= {p.cfg.mcast for p in g._plans.values()}
     assert mode in used  # the forced pairing really ran
 
@@ -321,16 +327,7 @@ def test_decode_c_added_and_accumulate_in_place(rng, decode_everywhere, c_dtype)
     m, n, k = 11, 1032, 3000
     a, b = _rand(rng, (m, k), "bf16"), _rand(rng, (n, k), "bf16")
     da, db = DeviceArray.from_numpy(a), DeviceArray.from_numpy(b)
-    ab = a.astype(np.float64) @ b.astype(np.float64).T
-    cm = _rand(rng, (m, n), c_dtype)
-    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
-    ck.gemm(da, db, out=out, c=DeviceArray.from_numpy(cm))
-    _check(out.numpy(), ab + cm.astype(np.float64), "bf16")
-    d0 = rng.standard_normal((m, n)).astype(np.float32)
-    d = DeviceArray.from_numpy(d0)
-    for _ in range(2):
-        assert ck.gemm(da, db, out=d, c=d) is d
-    _check(d.numpy(), d0.astype(np.float64) + 2 * ab, "fp32")
+    _check_c_added_and_accumulate(rng, da, db, a.astype(np.float64) @ b.astype(np.float64).T, c_dtype)
 
 
 @pytest.mark.gpu
