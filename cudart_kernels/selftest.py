@@ -60,6 +60,7 @@ def gemm_cases():
             (17, 264, 4104, "bfloat16", "float32", {"split_k": 5}),
             (128, 128, 65536, "bfloat16", "bfloat16", {}),
             (128, 128, 8192, "bfloat16", "float32", {"split_k": 8, "deterministic": True}),
+            (13, 1400, 4104, "float16", "float16", {}),  # the decode kernel (M <= 16), tails in M, N and K
         ]
     ]
 
