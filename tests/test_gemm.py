@@ -347,3 +347,21 @@ def test_decode_is_bitwise_stable_and_split_k_forces_the_wgmma_kernel(rng):
         out.fill_bytes(0xFF)
         _check(ck.gemm(da, db, out=out, split_k=split).numpy(), a.astype(np.float64) @ b.astype(np.float64).T,
                "fp32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [None, 1, 3])  # None: the decode kernel
+def test_padded_row_strides(rng, split_k):
+    """A, B and D as views with padded rows (row strides larger than the row, 16-byte multiples)."""
+    m, n, k, pad = 8, 1400, 4104, 24
+    a_full, b_full = _rand(rng, (m, k + pad), "bf16"), _rand(rng, (n, k + pad), "bf16")
+    da_full, db_full = DeviceArray.from_numpy(a_full), DeviceArray.from_numpy(b_full)
+    d_full = DeviceArray.empty((m, n + pad), "fp32").fill_bytes(0xFF)
+    da = DeviceArray.from_pointer(da_full.ptr, (m, k), "bf16", (k + pad, 1))
+    db = DeviceArray.from_pointer(db_full.ptr, (n, k), "bf16", (k + pad, 1))
+    d = DeviceArray.from_pointer(d_full.ptr, (m, n), "fp32", (n + pad, 1))
+    assert (g.pick_decode(m, n, k, g.device_properties(0), split_k) is not None) == (split_k is None)
+    ck.gemm(da, db, out=d, split_k=split_k)
+    got = d_full.numpy()
+    _check(got[:, :n], a_full[:, :k].astype(np.float64) @ b_full[:, :k].astype(np.float64).T, "fp32")
+    assert np.isnan(got[:, n:]).all()  # the padding of D is not written
