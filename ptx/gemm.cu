@@ -31,6 +31,7 @@
 // Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64 or 128), BN (8..256, step 8), STAGES, EPI,
 // C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST.
 #include "common/gemm_tiles.cuh"
+#include "common/memory.cuh"
 #include "common/wgmma_ops.cuh"
 
 #define EPI_STORE 0
@@ -96,20 +97,6 @@ constexpr int SMEM_BARS = SMEM_D + CONSUMERS * D_ROWS_BYTES;
 constexpr int SMEM_FLAGS = SMEM_BARS + 2 * STAGES * 8;
 constexpr int SMEM_BYTES = SMEM_FLAGS + 16;
 constexpr bool COUNTED = EPI == EPI_SPLIT || (EPI == EPI_ACCUMULATE && DETERMINISTIC);
-
-template <int KIND>
-__device__ __forceinline__ float load_elem(const void* base, i64 idx) {
-  if constexpr (KIND == KIND_FP32) {
-    return reinterpret_cast<const float*>(base)[idx];
-  } else if constexpr (KIND == KIND_BF16) {
-    return __uint_as_float(u32(reinterpret_cast<const u16*>(base)[idx]) << 16);
-  } else {
-    float f;
-    asm("{\n\t.reg .f16 h;\n\tmov.b16 h, %1;\n\tcvt.f32.f16 %0, h;\n\t}"
-        : "=f"(f) : "h"(reinterpret_cast<const u16*>(base)[idx]));
-    return f;
-  }
-}
 
 // Four consecutive elements of a row (16-byte aligned for fp32, 8-byte for 16-bit types).
 template <int KIND>

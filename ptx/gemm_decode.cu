@@ -68,18 +68,6 @@ __device__ __forceinline__ void mma_step(float (&acc)[G][4], const Step& s) {
 }
 
 template <int KIND>
-__device__ __forceinline__ float to_f32(const void* base, i64 idx) {
-  if constexpr (KIND == KIND_FP32) {
-    return reinterpret_cast<const float*>(base)[idx];
-  } else {
-    float lo, hi;
-    const u32 v = reinterpret_cast<const u16*>(base)[idx];
-    if constexpr (KIND == KIND_BF16) bf16x2_to_f32(v, lo, hi); else fp16x2_to_f32(v, lo, hi);
-    return lo;
-  }
-}
-
-template <int KIND>
 __device__ __forceinline__ void store_elem(void* base, i64 idx, float v) {
   if constexpr (KIND == KIND_FP32) {
     reinterpret_cast<float*>(base)[idx] = v;
@@ -140,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) gemm_decode_kernel(
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) v += (&partial[w][g][l][0])[e];
 #if C_KIND != KIND_NONE
-    v += to_f32<C_KIND>(c, m * ld_c + n);
+    v += load_elem<C_KIND>(c, m * ld_c + n);
 #endif
     store_elem<OUT_KIND>(d, m * ld_d + n, v);
   }

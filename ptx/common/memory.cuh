@@ -18,6 +18,21 @@ __device__ __forceinline__ u32x4 ld_stream_256(const void* p) {
   return v;
 }
 
+// One element of a KIND_BF16, KIND_FP16 or KIND_FP32 array, widened to fp32.
+template <int KIND>
+__device__ __forceinline__ float load_elem(const void* base, i64 idx) {
+  if constexpr (KIND == KIND_FP32) {
+    return reinterpret_cast<const float*>(base)[idx];
+  } else if constexpr (KIND == KIND_BF16) {
+    return __uint_as_float(u32(reinterpret_cast<const u16*>(base)[idx]) << 16);
+  } else {
+    float f;
+    asm("{\n\t.reg .f16 h;\n\tmov.b16 h, %1;\n\tcvt.f32.f16 %0, h;\n\t}"
+        : "=f"(f) : "h"(reinterpret_cast<const u16*>(base)[idx]));
+    return f;
+  }
+}
+
 __device__ __forceinline__ void st_8(void* p, u32 a, u32 b) {
   asm volatile("st.global.v2.u32 [%0], {%1, %2};" :: "l"(p), "r"(a), "r"(b) : "memory");
 }
