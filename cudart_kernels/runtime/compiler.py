@@ -128,15 +128,8 @@ def _source_closure(path: Path, root: Path, seen: dict) -> None:
             raise CompileError(f"{path.name}: include {inc!r} not found")
 
 
-# ptxas's register-usage level 10 (default 5) allocates and schedules the FP8 main loops better: H100, same process,
-# FP8 4096x7168x16384 789.6 -> 771.9 us, contiguous 4x8192 (N, K) = (4096, 7168) 1563 -> 1495 us; BF16 and small-M
-# shapes within +-1%, the FP8 128 x 192 tile 1.2% slower (docs/perf-notes.md session 16).
-PTXAS_REGISTER_USAGE_LEVEL = 10
-
-
 def _options(arch: str, defines: tuple, root: Path) -> list[str]:
-    opts = [f"-arch={arch}", "-std=c++17", "--ptxas-options=-v",
-            f"--ptxas-options=--register-usage-level={PTXAS_REGISTER_USAGE_LEVEL}", "-lineinfo", f"-I{root}"]
+    opts = [f"-arch={arch}", "-std=c++17", "--ptxas-options=-v", "-lineinfo", f"-I{root}"]
     opts += [f"-D{k}={v}" for k, v in defines]
     return opts
 
