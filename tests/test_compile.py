@@ -1,4 +1,6 @@
 """NVRTC compiles every kernel variant the library can pick, and the compile report is clean (runs on CPU)."""
+import time
+
 import pytest
 
 from cudart_kernels.cli import SMEM_LIMIT, compile_all, report_problems
@@ -46,12 +48,15 @@ def test_cubin_resources_match_ptxas():
     from cudart_kernels.runtime.compiler import _nvrtc_compile
     from cudart_kernels.runtime.cubin import resources
 
+    # A constant unique to this run: with a driver present, NVRTC reuses the driver's compute cache for PTX it
+    # has seen (a second gpu_check on the same machine) and ptxas then writes no log to compare with.
+    nonce = f"{time.time_ns() % 1000003}.0f"
     src = r'''
     extern "C" __global__ void smemk(float* p) { __shared__ float s[1000]; s[threadIdx.x] = p[threadIdx.x];
-      __syncthreads(); p[threadIdx.x] = s[999 - threadIdx.x]; }
+      __syncthreads(); p[threadIdx.x] = s[999 - threadIdx.x] + NONCE; }
     extern "C" __global__ void stacky(float* p, int j) { float a[1024];
-      for (int i = 0; i < 1024; ++i) a[(i * j) & 1023] = p[i]; p[0] = a[j & 1023]; }
-    '''
+      for (int i = 0; i < 1024; ++i) a[(i * j) & 1023] = p[i]; p[0] = a[j & 1023] + NONCE; }
+    '''.replace("NONCE", nonce)
     cubin, log = _nvrtc_compile(src, "t.cu", ["-arch=sm_90a", "--ptxas-options=-v"])
     for entry in ("smemk", "stacky"):
         from_log = CompileReport.parse(log, entry)
