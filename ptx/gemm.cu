@@ -28,12 +28,18 @@
 // B_KN = 1 reads B as [K, N] (N contiguous): it is loaded as ceil(BN / 64) panels of 64 N x 64 K and fed to
 // wgmma as an MN-major operand (transposed B).
 //
+// STREAM_B = 1 loads B with an evict-first L2 policy (`l2_evict_first`; the host sets it where all of a B tile's
+// readers run in one wave).
+//
 // Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64 or 128), BN (8..256, step 8), STAGES, EPI,
-// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST.
+// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST, STREAM_B.
 #include "common/gemm_tiles.cuh"
 #include "common/memory.cuh"
 #include "common/wgmma_ops.cuh"
 
+#ifndef STREAM_B
+#define STREAM_B 0
+#endif
 #define EPI_STORE 0
 #define EPI_ACCUMULATE 1
 #define EPI_SPLIT 2
@@ -197,9 +203,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
         tma_load_operand<MCAST == 2>(sa, &tm_a, &full[s], kb * BK, m0, BM, A_STAGE, rank);
 #if B_KN
         for (int p = 0; p < B_PANELS; ++p)
-          tma_load_2d(sb + p * B_PANEL_BYTES, &tm_b, &full[s], n0 + p * 64, kb * BK);
+          tma_load_2d<STREAM_B>(sb + p * B_PANEL_BYTES, &tm_b, &full[s], n0 + p * 64, kb * BK);
 #else
-        tma_load_operand<MCAST == 1>(sb, &tm_b, &full[s], kb * BK, n0, BN, B_STAGE, rank);
+        tma_load_operand<MCAST == 1, STREAM_B>(sb, &tm_b, &full[s], kb * BK, n0, BN, B_STAGE, rank);
 #endif
         if (++s == STAGES) { s = 0; phase ^= 1; }
       }

@@ -45,8 +45,10 @@
 // writing 1 / KSPLIT of the tile's rows with direct bf16 stores. For M <= 128 a tile streams all of A's rows
 // for a few columns of B; splitting K gives each CTA a KSPLIT-th of both (docs/perf-notes.md).
 //
+// STREAM_B = 1 loads B with an evict-first L2 policy, as in gemm.cu.
+//
 // Compile-time parameters: BM (64, 128, 256), BN (16..256, step 16; 256 rows: up to 128), STAGES, MCAST, LAYOUT,
-// KSPLIT.
+// KSPLIT, STREAM_B.
 #include "common/gemm_tiles.cuh"
 #include "common/wgmma_ops.cuh"
 
@@ -59,6 +61,9 @@
 #define LAYOUT_KGROUPED 3
 #ifndef LAYOUT
 #define LAYOUT LAYOUT_NORMAL
+#endif
+#ifndef STREAM_B
+#define STREAM_B 0
 #endif
 #ifndef KSPLIT
 #define KSPLIT 1
@@ -365,8 +370,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
           mbar_wait(&empty[s], phase ^ 1);
           mbar_arrive_expect_tx(&full[s], A_STAGE + B_STAGE + SA_STAGE + SB_BYTES);
           tma_load_operand<MCAST == 2>(smem + s * A_STAGE, &tm_a, &full[s], kb * BK, t.a_row, BM, A_STAGE, rank);
-          tma_load_operand<MCAST == 1>(smem + SMEM_B + s * B_STAGE, &tm_b, &full[s], kb * BK, t.b_row, BN, B_STAGE,
-                                       rank);
+          tma_load_operand<MCAST == 1, STREAM_B>(smem + SMEM_B + s * B_STAGE, &tm_b, &full[s], kb * BK, t.b_row, BN,
+                                                B_STAGE, rank);
           tma_load_2d(smem + SMEM_SA + s * SA_STAGE, &tm_sa, &full[s], t.a_row, kb);
           if (WGRAD) tma_load_2d(smem + SMEM_SB + s * SB_STAGE, &tm_sb, &full[s], t.n0, kb);
           if (++s == STAGES) { s = 0; phase ^= 1; }

@@ -4,6 +4,7 @@ import pytest
 
 import cudart_kernels as ck
 from cudart_kernels.ops import gemm as g
+from cudart_kernels.runtime import dtypes as dt
 from cudart_kernels.runtime.driver import H100
 from cudart_kernels.runtime.interop import DeviceArray
 
@@ -91,6 +92,19 @@ def test_l2_promotion():
     assert g.l2_promotion(1, 1) == g.l2_promotion(4, 1) == 256  # unsplit: 256-byte fills
     assert g.l2_promotion(1, 8) == 256                           # split, streamed by one reader
     assert g.l2_promotion(2, 8) == 128                           # split, re-read from L2
+
+
+def test_evict_first_b():
+    """B streams with an evict-first L2 policy where M <= 128, its rows are at least 2 KB and it is [N, K]."""
+    def streams(m, n, k, **kw):
+        return g.pick_config(m, n, k, 2, H100, **kw).stream_b
+    assert streams(64, 7168, 16384) and streams(128, 2048, 28672) and streams(16, 7168, 2048)
+    assert streams(128, 8192, 1024) and not streams(128, 8192, 1016)  # 2048-byte rows and up
+    assert not streams(128, 32768, 512)                 # short rows: measured 10% slower
+    assert not streams(256, 256, 32768)                 # B re-read by other row blocks
+    assert not streams(128, 4096, 16384, b_kn=True)     # [K, N] panels: measured 7% slower
+    assert "STREAM_B" in g._defines(dt.bfloat16, dt.bfloat16, g.pick_config(64, 7168, 16384, 2, H100))
+    assert "STREAM_B" not in g._defines(dt.bfloat16, dt.bfloat16, g.pick_config(4096, 7168, 16384, 2, H100))
 
 
 def test_validation_before_launch():

@@ -237,6 +237,15 @@ def test_grouped_configs():
         assert four_stages(f.KGROUPED) - four_stages() >= 4 * cfg.bn * 4 - 1024
 
 
+def test_fp8_evict_first_b():
+    """As the BF16 GEMM's rule (gemm.streams_b) with 1-byte elements, for the normal layout only."""
+    assert f.pick_config(128, 7168, 2048, H100).stream_b and f.pick_config(64, 2112, 7168, H100).stream_b
+    assert not f.pick_config(128, 24576, 1536, H100).stream_b   # 1536-byte rows
+    assert not f.pick_config(4096, 7168, 2048, H100).stream_b   # B re-read by 32 row blocks
+    assert not f.pick_config(64, 7168, 2048, H100, f.MASKED, 16).stream_b  # measured neutral
+    assert f._defines(f.pick_config(128, 7168, 2048, H100))["STREAM_B"] == 1
+
+
 def test_grouped_validation_before_launch():
     m, n, k, groups = 256, 264, 512, 3
     a, sa = fake((m, k), "e4m3"), fake((m, 4), "fp32", (1, m))

@@ -101,6 +101,7 @@ class GemmConfig:
     smem: int  # dynamic shared memory bytes, alignment slack included
     mcast: int = MCAST_NONE  # 2-CTA cluster pairing tiles along M (sharing B) or along N (sharing A)
     group_m: int = 1         # cluster-tile rows per group of the tile order
+    stream_b: bool = False   # B loaded with an evict-first L2 policy (`streams_b`)
 
     @property
     def threads(self) -> int:
@@ -204,6 +205,19 @@ PAIRED_FACTOR = 0.95
 # 16.6, 128x2048x28672 51.2 -> 47.7, 96x256x32768 14.0 -> 13.1, 128x1024x32768 33.2 -> 31.2, 128x4096x16384 56.2
 # -> 54.2). Not at M = 256: 256x256x32768 18.8 -> 19.2, 256x512x65536 42.3 -> 46.6 (perf-notes, session 15).
 SPLIT_BM64_MAX_M = 128
+# B loaded with an evict-first L2 policy (ptx/common/sm90.cuh l2_evict_first) when M <= this: every tile of B is
+# read by one CTA, or by the 64-row tiles of one column, which run at the same time; its stream then no longer evicts
+# A or the split-K partials. Only where a row of B is STREAM_B_MIN_ROW_BYTES or longer, and B is [N, K]. H100, same
+# process, rotating inputs, us without / with: bf16 128x8192x4096 33.7 / 30.9, 128x4096x16384 53.8 / 52.1,
+# 128x2048x28672 47.6 / 45.7; fp8 64x7168x2048 8.73 / 8.16, 128x2112x7168 11.3 / 10.8. Shorter rows: neutral to 10%
+# slower (bf16 128x32768x512 17.9 / 19.9); B as [K, N]: 128x4096x16384 60.2 / 64.7; above M = 128 split shapes lost
+# 3-13%; the masked FP8 layout: neutral (docs/perf-notes.md, session 17).
+STREAM_B_MAX_M = 128
+STREAM_B_MIN_ROW_BYTES = 2048
+
+
+def streams_b(m: int, k: int, in_bytes: int) -> bool:
+    return m <= STREAM_B_MAX_M and k * in_bytes >= STREAM_B_MIN_ROW_BYTES
 
 
 def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, split_k: int | None = None,
@@ -265,7 +279,7 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     stages = max_stages(bm, bn, epi, budget, b_kn)
     mcast = pick_multicast(m, n, bm, bn, splits, b_kn, props) if MULTICAST else MCAST_NONE
     return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn), mcast,
-                      group_rows(m, n, bm, bn, mcast, props))
+                      group_rows(m, n, bm, bn, mcast, props), streams_b(m, k, 2) and not b_kn)
 
 
 def cluster_tiles(m: int, n: int, bm: int, bn: int, mcast: int) -> tuple[int, int]:
@@ -346,6 +360,8 @@ def _defines(in_dtype, out_dtype, cfg: GemmConfig, epi: str = "EPI_STORE", c_dty
         d["DETERMINISTIC"] = 1
     if cfg.mcast:
         d["MCAST"] = cfg.mcast
+    if cfg.stream_b:
+        d["STREAM_B"] = 1
     return d
 
 

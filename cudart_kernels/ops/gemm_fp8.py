@@ -41,6 +41,7 @@ class Fp8Config:
     group_m: int = 1               # cluster-tile rows per group of the tile order
     layout: str = NORMAL
     splits: int = 1                # split-K: a cluster of `splits` CTAs per tile, one K slice each
+    stream_b: bool = False         # B loaded with an evict-first L2 policy (gemm.streams_b)
 
     @property
     def consumers(self) -> int:
@@ -214,7 +215,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     if _gemm.MULTICAST and tiles_m >= 2 and layout != KGROUPED:
         mcast = _gemm.pick_multicast(m_all, n, bm, bn, 1, False, props, share_b)
     group_m = _gemm.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
-    return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits)
+    stream_b = layout == NORMAL and _gemm.streams_b(m, k, 1)
+    return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits, stream_b)
 
 
 def _defines(cfg: Fp8Config) -> dict:
@@ -225,6 +227,8 @@ def _defines(cfg: Fp8Config) -> dict:
         d["LAYOUT"] = cfg.layout
     if cfg.splits > 1:
         d["KSPLIT"] = cfg.splits
+    if cfg.stream_b:
+        d["STREAM_B"] = 1
     return d
 
 

@@ -156,14 +156,14 @@ __device__ __forceinline__ void producer_finish(u64* empty, int s, u32 phase, in
 }
 
 // Load a BM- or BN-row operand tile of one k block: whole, or (SHARED, a tile both CTAs of a pair use) this CTA's
-// half, multicast to both. `tile_bytes` is the whole tile's size in shared memory.
-template <bool SHARED>
+// half, multicast to both. `tile_bytes` is the whole tile's size in shared memory. EVICT_FIRST: see l2_evict_first.
+template <bool SHARED, bool EVICT_FIRST = false>
 __device__ __forceinline__ void tma_load_operand(u8* dst, const CUtensorMap_st* map, u64* bar, int k0, int row0,
                                                  int rows, int tile_bytes, u32 rank) {
   if constexpr (SHARED) {
-    tma_load_2d_multicast(dst + rank * (tile_bytes / 2), map, bar, k0, row0 + rank * (rows / 2), 3);
+    tma_load_2d_multicast<EVICT_FIRST>(dst + rank * (tile_bytes / 2), map, bar, k0, row0 + rank * (rows / 2), 3);
   } else {
-    tma_load_2d(dst, map, bar, k0, row0);
+    tma_load_2d<EVICT_FIRST>(dst, map, bar, k0, row0);
   }
 }
 

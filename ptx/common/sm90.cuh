@@ -50,22 +50,48 @@ __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap_st* map) {
   asm volatile("prefetch.tensormap [%0];" :: "l"(map) : "memory");
 }
 
+// An L2 policy under which the lines a copy brings in are the first to be evicted: for an operand whose lines
+// are each read once, or only by CTAs running at the same time, so that its stream does not push out lines that
+// are read again (the other operand, split-K partials).
+__device__ __forceinline__ u64 l2_evict_first() {
+  u64 policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
 // Global -> shared, completing `box bytes` on `bar`. Coordinates are innermost first; out-of-bounds parts of the
-// box are filled with zeros (and still count towards the transaction bytes).
+// box are filled with zeros (and still count towards the transaction bytes). EVICT_FIRST: see l2_evict_first.
+template <bool EVICT_FIRST = false>
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap_st* map, u64* bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
-      :: "r"(smem_u32(dst)), "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1) : "memory");
+  if constexpr (EVICT_FIRST) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%3, %4}], [%2], %5;"
+        :: "r"(smem_u32(dst)), "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "l"(l2_evict_first()) : "memory");
+  } else {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+        :: "r"(smem_u32(dst)), "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1) : "memory");
+  }
 }
 
 // As tma_load_2d, but the box lands at the same shared offset in every CTA of `cta_mask` (this cluster's ranks)
 // and completes its bytes on the barrier at the same offset in each of them.
+template <bool EVICT_FIRST = false>
 __device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap_st* map, u64* bar, int c0, int c1,
                                                       u16 cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%3, %4}], [%2], %5;"
-      :: "r"(smem_u32(dst)), "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "h"(cta_mask) : "memory");
+  if constexpr (EVICT_FIRST) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        ".L2::cache_hint [%0], [%1, {%3, %4}], [%2], %5, %6;"
+        :: "r"(smem_u32(dst)), "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "h"(cta_mask), "l"(l2_evict_first())
+        : "memory");
+  } else {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%3, %4}], [%2], %5;"
+        :: "r"(smem_u32(dst)), "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "h"(cta_mask) : "memory");
+  }
 }
 
 // Shared -> global; the out-of-bounds part of the box is not written.
