@@ -257,7 +257,12 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
             if max_stages(split_bm, bn, 4, budget, b_kn) < MIN_SPLIT_STAGES:
                 continue
             tiles = -(-m // split_bm) * -(-n // bn)
-            for sp in range(2, min(MAX_SPLITS, k_blocks // MIN_KBLOCKS_PER_SPLIT, props.sm_count // tiles) + 1):
+            # Unsplit 64-row tiles too, when they fill the GPU where 128-row ones do not (H100, same process, old ->
+            # new pick over the 37 shapes it changes at M 80..128, us: 128x8192x4096 30.9 -> 25.0, 128x4096x2048
+            # 11.7 -> 8.6, 96x8192x2048 18.9 -> 14.1, worst 80x4096x4096 17.2 -> 18.4; on half the SMs they lost
+            # up to 15%: 128x7168x16384 88.0 -> 96.3; perf-notes, session 17).
+            first = 1 if split_bm < bm and tiles >= FULL_GRID * props.sm_count else 2
+            for sp in range(first, min(MAX_SPLITS, k_blocks // MIN_KBLOCKS_PER_SPLIT, props.sm_count // tiles) + 1):
                 t = split_time_us(m, n, k, split_bm, bn, sp, props)
                 if MULTICAST and pick_multicast(m, n, split_bm, bn, sp, b_kn, props) != MCAST_NONE:
                     t *= PAIRED_FACTOR
