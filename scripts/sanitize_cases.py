@@ -46,6 +46,16 @@ for kw in ({}, {"c": c_small}):
 assert any(isinstance(p, g._DecodePlan) for p in g._plans.values())
 g.DECODE_MIN_K, g.DECODE_MIN_FILL = saved
 g._plans.clear()
+# B with the evict-first L2 policy (forced on for this short K), unsplit and split, 100 rows
+saved = g.STREAM_B_MIN_ROW_BYTES
+g.STREAM_B_MIN_ROW_BYTES = 0
+a_100 = DeviceArray.from_numpy(a.numpy()[:100].copy())
+for kw in ({}, {"split_k": 4}):
+    d = ck.gemm(a_100, b, out_dtype="float32", **kw)
+    assert np.abs(d.numpy() - ref[:100]).max() < 1e-2 * np.abs(ref[:100]).max(), kw
+assert all(p.cfg.stream_b for p in g._plans.values())
+g.STREAM_B_MIN_ROW_BYTES = saved
+g._plans.clear()
 print("gemm sanitize cases ran")
 
 # 2-CTA clusters with multicast (forced on both sides; odd tile rows leave a spare tile), plain and split-K.
@@ -96,10 +106,11 @@ for mode in (g.MCAST_NONE, g.MCAST_SHARE_A):
     d = ck.gemm_fp8(qa, sa, qb, sb)
     assert {(p.cfg.bm, p.cfg.mcast) for p in f._plans.values()} == {(256, mode)}
     assert np.abs(d.numpy().astype(np.float64) - ref8).max() < 2e-2 * np.abs(ref8).max(), mode
-# Split-K through the cluster's shared memory (2 and 3 K slices; 5 k blocks do not divide by either).
+# Split-K through the cluster's shared memory (2 and 3 K slices; 5 k blocks do not divide by either), B loaded
+# with the evict-first L2 policy.
 for bm, bn, splits in ((64, 32, 2), (128, 64, 3)):
     f.pick_config = lambda m, n, k, props, layout=f.NORMAL, groups=1, max_bm=256, t=(bm, bn, splits): f.Fp8Config(
-        t[0], t[1], 4, f.smem_bytes(t[0], t[1], 4, layout), g.MCAST_NONE, 1, layout, t[2])
+        t[0], t[1], 4, f.smem_bytes(t[0], t[1], 4, layout), g.MCAST_NONE, 1, layout, t[2], stream_b=True)
     f._plans.clear()
     d = ck.gemm_fp8(qa, sa, qb, sb)
     assert {p.cfg.splits for p in f._plans.values()} == {splits}
