@@ -31,7 +31,10 @@
 // STREAM_B = 1 loads B with an evict-first L2 policy (`l2_evict_first`; the host sets it where all of a B tile's
 // readers run in one wave).
 //
-// Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64 or 128), BN (8..256, step 8), STAGES, EPI,
+// BM = 192 (three consumers, BN <= 192) fits M in 129..192 (and 2 x 192 rows) without padding it to 256 rows: a
+// 128-row tile there computes a second, mostly empty, row block.
+//
+// Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64, 128 or 192), BN (8..256, step 8), STAGES, EPI,
 // C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST, STREAM_B.
 #include "common/gemm_tiles.cuh"
 #include "common/memory.cuh"
@@ -89,11 +92,13 @@ static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0 && !B_KN) || (MCAST == 2
               "multicast halves must be whole 8-row swizzle atoms");
 constexpr int ACC = BN / 2;                          // fp32 accumulators per thread for m64nBN
 constexpr int PRODUCER_REGS = 40;
-constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : 232;
+// setmaxnreg: the producer's 128 threads keep 40 registers, the consumers share the rest of the 64 K.
+constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : CONSUMERS == 2 ? 232 : 152;
 static_assert(BN % 8 == 0 && BN >= 8 && BN <= 256, "BN must be a multiple of 8 in 8..256");
-// Three or four consumers would not fit the register file with 64 x BN accumulators each (setmaxnreg would wait
-// forever for registers that the producer cannot free).
-static_assert(BM == 64 || BM == 128, "BM must be 64 or 128");
+// Three consumers get 152 registers each: 64 x BN accumulators up to BN = 192. Four would not fit (setmaxnreg
+// would wait forever for registers that the producer cannot free).
+static_assert(BM == 64 || BM == 128 || (BM == 192 && BN <= 192), "BM must be 64, 128 or 192 (with BN <= 192)");
+static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= 65536, "setmaxnreg beyond the register file");
 
 // Shared memory (from a 1024-byte aligned base):
 // A stages | B stages | output tile | full barriers | empty barriers | one flag per consumer.

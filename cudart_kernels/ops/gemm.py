@@ -220,6 +220,41 @@ def streams_b(m: int, k: int, in_bytes: int) -> bool:
     return m <= STREAM_B_MAX_M and k * in_bytes >= STREAM_B_MIN_ROW_BYTES
 
 
+def split_candidates(m: int, n: int, k: int, bm: int, bn0: int, b_kn: bool, props: DeviceProperties) -> list:
+    """(estimate us, BM, BN, splits) for the unsplit config (BM x bn0) and every split config whose units fit one
+    wave (`split_time_us`; paired configs at PAIRED_FACTOR of it)."""
+    split_bm = 64 if m <= SPLIT_BM64_MAX_M else bm
+    k_blocks = -(-k // BK)
+    cands = [(split_time_us(m, n, k, bm, bn0, 1, props), bm, bn0, 1)]
+    for bn in _split_bn_candidates(n):
+        if max_stages(split_bm, bn, 4, props.smem_per_block_optin, b_kn) < MIN_SPLIT_STAGES:
+            continue
+        tiles = -(-m // split_bm) * -(-n // bn)
+        # Unsplit 64-row tiles too, when they fill the GPU where 128-row ones do not (H100, same process, old ->
+        # new pick over the 37 shapes it changes at M 80..128, us: 128x8192x4096 30.9 -> 25.0, 128x4096x2048
+        # 11.7 -> 8.6, 96x8192x2048 18.9 -> 14.1, worst 80x4096x4096 17.2 -> 18.4; on half the SMs they lost
+        # up to 15%: 128x7168x16384 88.0 -> 96.3; perf-notes, session 17).
+        first = 1 if split_bm < bm and tiles >= FULL_GRID * props.sm_count else 2
+        for sp in range(first, min(MAX_SPLITS, k_blocks // MIN_KBLOCKS_PER_SPLIT, props.sm_count // tiles) + 1):
+            t = split_time_us(m, n, k, split_bm, bn, sp, props)
+            if MULTICAST and pick_multicast(m, n, split_bm, bn, sp, b_kn, props) != MCAST_NONE:
+                t *= PAIRED_FACTOR
+            cands.append((t, split_bm, bn, sp))
+    return cands
+
+
+def choose_split(cands: list, m: int, n: int, props: DeviceProperties) -> tuple:
+    """The candidate to run: among those within _CLOSE of the best estimate, the ones whose units busy nearly every
+    SM if any (more loads in flight: H100, same process, 16x4096x8192 64x128 x 4, 128 units, 29.2-30.0 us against
+    64x192 x 4, 88 units, 32.5; 256x512x65536 128x128 x 16, 128 units, 43.3 against 128x192 x 16, 96 units,
+    47.5), then the widest tile, then the most units (wide tiles stream DRAM better; the estimates of DRAM-bound
+    configs are nearly equal)."""
+    best = min(c[0] for c in cands)
+    close = [c for c in cands if c[0] <= _CLOSE * best]
+    full = [c for c in close if -(-m // c[1]) * -(-n // c[2]) * c[3] >= FULL_GRID * props.sm_count]
+    return max(full or close, key=lambda c: (c[2], c[3]))
+
+
 def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, split_k: int | None = None,
                 accumulate: bool = False, b_kn: bool = False) -> GemmConfig:
     """Block shape, stages and split-K count.
@@ -231,7 +266,6 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     compared with a throughput model (`_split_time`). `split_k` forces the count. Stages fill the smem budget.
     """
     bm = 64 if m <= 64 else 128
-    split_bm = 64 if m <= SPLIT_BM64_MAX_M else bm
     k_blocks = -(-k // BK)
     budget = props.smem_per_block_optin
     epi_plain = 4 if accumulate else out_bytes
@@ -249,39 +283,20 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     small_m_fills = bm == 64 and -(-n // max(64, bn0)) >= SPLIT_BELOW_FILL * props.sm_count
     if (split_k is None and -(-m // bm) * -(-n // bn0) < props.sm_count and not small_m_fills
             and k_blocks >= 2 * MIN_KBLOCKS_PER_SPLIT):
-        # The tiles do not fill the GPU: estimate (BN, splits) pairs that fit in one wave of units, and the
-        # unsplit config; among those within _CLOSE of the best, the widest tile, then the most units (measured:
-        # wide tiles stream DRAM better; the estimates of DRAM-bound configs are nearly equal).
-        cands = [(split_time_us(m, n, k, bm, bn0, 1, props), bm, bn0, 1)]
-        for bn in _split_bn_candidates(n):
-            if max_stages(split_bm, bn, 4, budget, b_kn) < MIN_SPLIT_STAGES:
-                continue
-            tiles = -(-m // split_bm) * -(-n // bn)
-            # Unsplit 64-row tiles too, when they fill the GPU where 128-row ones do not (H100, same process, old ->
-            # new pick over the 37 shapes it changes at M 80..128, us: 128x8192x4096 30.9 -> 25.0, 128x4096x2048
-            # 11.7 -> 8.6, 96x8192x2048 18.9 -> 14.1, worst 80x4096x4096 17.2 -> 18.4; on half the SMs they lost
-            # up to 15%: 128x7168x16384 88.0 -> 96.3; perf-notes, session 17).
-            first = 1 if split_bm < bm and tiles >= FULL_GRID * props.sm_count else 2
-            for sp in range(first, min(MAX_SPLITS, k_blocks // MIN_KBLOCKS_PER_SPLIT, props.sm_count // tiles) + 1):
-                t = split_time_us(m, n, k, split_bm, bn, sp, props)
-                if MULTICAST and pick_multicast(m, n, split_bm, bn, sp, b_kn, props) != MCAST_NONE:
-                    t *= PAIRED_FACTOR
-                cands.append((t, split_bm, bn, sp))
-        best = min(c[0] for c in cands)
-        close = [c for c in cands if c[0] <= _CLOSE * best]
-        # Keep the configs whose units busy nearly every SM, if any: more loads in flight (H100, same process:
-        # 16x4096x8192 64x128 x 4, 128 units, 29.2-30.0 us against 64x192 x 4, 88 units, 32.5; 256x512x65536
-        # 128x128 x 16, 128 units, 43.3 against 128x192 x 16, 96 units, 47.5).
-        full = [c for c in close if -(-m // c[1]) * -(-n // c[2]) * c[3] >= FULL_GRID * props.sm_count]
-        close = full or close
-        _, bm, bn, splits = max(close, key=lambda c: (c[2], c[3]))
+        _, bm, bn, splits = choose_split(split_candidates(m, n, k, bm, bn0, b_kn, props), m, n, props)
     elif splits > 1:  # forced count: fewest waves of units, then the larger tile
         fits = [b for b in _bn_candidates(n) if max_stages(bm, b, 4, budget, b_kn) >= 2]
         bn = min(fits, key=lambda b: (-(-(-(-m // bm) * -(-n // b) * splits) // props.sm_count), -b))
     else:
         bn = bn0
+    return make_config(m, n, k, out_bytes, props, bm, bn, splits, accumulate, b_kn)
+
+
+def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, bm: int, bn: int, splits: int,
+                accumulate: bool = False, b_kn: bool = False) -> GemmConfig:
+    """The full config of a BM x BN tile with `splits` K slices: stages fill the budget, pairs, tile order."""
     epi = 4 if (splits > 1 or accumulate) else out_bytes
-    stages = max_stages(bm, bn, epi, budget, b_kn)
+    stages = max_stages(bm, bn, epi, props.smem_per_block_optin, b_kn)
     mcast = pick_multicast(m, n, bm, bn, splits, b_kn, props) if MULTICAST else MCAST_NONE
     return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn), mcast,
                       group_rows(m, n, bm, bn, mcast, props), streams_b(m, k, 2) and not b_kn)
