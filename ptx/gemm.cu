@@ -88,7 +88,7 @@ constexpr int CHUNK_ROW_BYTES = CH * EPI_BYTES;  // also the output map's swizzl
 constexpr int CHUNK_BYTES = 64 * CHUNK_ROW_BYTES;
 constexpr int D_ROWS_BYTES = 2 * CHUNK_BYTES;
 constexpr int CLUSTER = MCAST ? 2 : 1;
-static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0 && !B_KN) || (MCAST == 2 && BM % 128 == 0),
+static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0 && !B_KN) || (MCAST == 2 && BM >= 128),
               "multicast halves must be whole 8-row swizzle atoms");
 constexpr int ACC = BN / 2;                          // fp32 accumulators per thread for m64nBN
 constexpr int PRODUCER_REGS = 40;
@@ -98,6 +98,7 @@ static_assert(BN % 8 == 0 && BN >= 8 && BN <= 256, "BN must be a multiple of 8 i
 // Three consumers get 152 registers each: 64 x BN accumulators up to BN = 192. Four would not fit (setmaxnreg
 // would wait forever for registers that the producer cannot free).
 static_assert(BM == 64 || BM == 128 || (BM == 192 && BN <= 192), "BM must be 64, 128 or 192 (with BN <= 192)");
+static_assert(BM != 192 || EPI != EPI_SPLIT || BN <= 160, "192-row split-K tiles: BN <= 160 (the finish spills)");
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= 65536, "setmaxnreg beyond the register file");
 
 // Shared memory (from a 1024-byte aligned base):
@@ -338,7 +339,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
         // multiple of 4, so a 4-column group is wholly in or out.
         const int r_lo = spread ? split * 64 / splits : 0, r_hi = spread ? (split + 1) * 64 / splits : 64;
         const int groups = (r_hi - r_lo) * (BN / 4);
-        constexpr int FIN_LOADS = 64 * BN / 4 >= 128 * 8 ? 8 : 4;
+        constexpr int FIN_LOADS = 64 * BN / 4 >= 128 * 8 && CONSUMERS < 3 ? 8 : 4;  // three consumers: 152 registers
         for (int base = tid; base < groups; base += 128 * FIN_LOADS) {
           f32x4 v[FIN_LOADS];
           i64 wi[FIN_LOADS], di[FIN_LOADS], ci[FIN_LOADS];

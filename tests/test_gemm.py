@@ -15,13 +15,15 @@ def fake(shape, dtype, strides=None, offset=0):
     return DeviceArray.from_pointer(FAKE + offset, shape, dtype, strides)
 
 
-@pytest.mark.parametrize("shape", g.BENCH_SHAPES["large"] + g.BENCH_SHAPES["skinny"] + [(1, 8, 8), (17, 24, 40)])
+@pytest.mark.parametrize("shape", g.BENCH_SHAPES["large"] + g.BENCH_SHAPES["skinny"] + [(1, 8, 8), (17, 24, 40), (160, 7168, 8192),
+                                   (192, 512, 16384), (336, 4096, 8192), (384, 7168, 2048)])
 @pytest.mark.parametrize("out_bytes", [2, 4])
 @pytest.mark.parametrize("split_k", [None, 1, 7])
 def test_config_fits_and_matches_the_kernel_layout(shape, out_bytes, split_k):
     m, n, k = shape
     cfg = g.pick_config(m, n, k, out_bytes, H100, split_k)
-    assert cfg.bm in (64, 128) and cfg.bn % 8 == 0 and 8 <= cfg.bn <= 256
+    assert cfg.bm == g.row_tile(m) or cfg.splits > 1 and cfg.bm == 64 and m <= g.SPLIT_BM64_MAX_M
+    assert cfg.bn % 8 == 0 and 8 <= cfg.bn <= (256 if cfg.bm < 192 else 160 if cfg.splits > 1 else 192)
     assert 2 <= cfg.stages <= g.MAX_STAGES
     epi = 4 if cfg.splits > 1 else out_bytes
     assert cfg.smem == g.smem_bytes(cfg.bm, cfg.bn, cfg.stages, epi) <= H100.smem_per_block_optin
@@ -68,6 +70,15 @@ def test_config_choices():
     assert g.pick_config(128, 7168, 16384, 2, H100).splits >= 2  # 56 unsplit 64-row tiles: half the GPU
     # 64x7168x16384: 112 tiles already; measured 62 us unsplit vs 74 us split in two (H200)
     assert g.pick_config(64, 7168, 16384, 2, H100).splits == 1
+    # 192-row tiles where 128-row ones would add a mostly empty row block (M 129..192, 321..384): 192x7168x8192
+    # 192 x 128 x 2 splits (55.2 us against 78.0 for 128 x 112; 192 x 64 unsplit measured 49.6), 160x4096x4096 split
+    assert [g.row_tile(m) for m in (64, 65, 128, 129, 192, 193, 320, 321, 384, 385)] == [64, 128, 128, 192, 192,
+                                                                                        128, 128, 192, 192, 128]
+    assert tuple(g.pick_config(192, 7168, 8192, 2, H100).__dict__.values())[:4] == (192, 128, 4, 2)
+    cfg = g.pick_config(160, 4096, 4096, 2, H100)
+    assert cfg.bm == 192 and cfg.splits > 1 and cfg.bn <= g.BM192_SPLIT_MAX_BN
+    assert g.pick_config(384, 7168, 8192, 2, H100).bm == 192
+    assert g.pick_config(160, 4096, 4096, 2, H100, split_k=3).bn <= g.BM192_SPLIT_MAX_BN  # forced splits too
     # enough tiles: no split
     for m, n, k in g.BENCH_SHAPES["large"]:
         assert g.pick_config(m, n, k, 2, H100).splits == 1
@@ -269,7 +280,7 @@ def forced_multicast(monkeypatch):
         def pick(m, n, bm, bn, splits, b_kn, props):
             if mode == g.MCAST_SHARE_B and bn % 16 == 0 and not b_kn:
                 return mode
-            return mode if mode == g.MCAST_SHARE_A and bm % 128 == 0 else g.MCAST_NONE
+            return mode if mode == g.MCAST_SHARE_A and bm >= 128 else g.MCAST_NONE  # halves of 64 or 96 rows
         monkeypatch.setattr(g, "pick_multicast", pick)
         g._plans.clear()
     yield force
@@ -297,6 +308,28 @@ def test_cluster_pairs(rng, forced_multicast, mode, shape):
     _check_c_added_and_accumulate(rng, da, db, ref, "fp16")
     used |= {p.cfg.mcast for p in g._plans.values()}
     assert mode in used  # the forced pairing really ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(129, 264, 200), (191, 1000, 1040), (192, 136, 3000), (330, 40, 520),
+                                   (383, 2112, 136)], ids=lambda s: "x".join(map(str, s)))
+def test_192_row_tiles(rng, shape):
+    """Three consumer warpgroups (M in 129..192 and 321..384): plain bf16 and fp32 out, forced splits in both
+    orders, C added, accumulate in place, B as [K, N]."""
+    m, n, k = shape
+    a, b = _rand(rng, (m, k), "bf16"), _rand(rng, (n, k), "bf16")
+    da, db = DeviceArray.from_numpy(a), DeviceArray.from_numpy(b)
+    ref = a.astype(np.float64) @ b.astype(np.float64).T
+    g._plans.clear()
+    for out_dtype, split, det in (("bf16", None, False), ("fp32", 1, False), ("bf16", 3, False), ("fp32", 5, True)):
+        out = DeviceArray.empty((m, n), out_dtype).fill_bytes(0xFF)
+        ck.gemm(da, db, out=out, split_k=split, deterministic=det)
+        _check(out.numpy(), ref, out_dtype)
+    _check_c_added_and_accumulate(rng, da, db, ref, "bf16")
+    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
+    ck.gemm(da, DeviceArray.from_numpy(np.ascontiguousarray(b.T)), out=out, b_layout="kn")
+    _check(out.numpy(), ref, "bf16")
+    assert {p.cfg.bm for p in g._plans.values()} == {192}
 
 
 # ---- decode path (M <= 16): ptx/gemm_decode.cu --------------------------------------------------------------------

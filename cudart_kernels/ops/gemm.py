@@ -36,6 +36,10 @@ MCAST_NONE, MCAST_SHARE_B, MCAST_SHARE_A = 0, 1, 2  # ptx/gemm.cu MCAST
 _KB_US = {64: ((16, .181), (32, .185), (48, .190), (64, .205), (96, .185), (128, .206), (192, .278), (256, .353)),
           128: ((16, .194), (32, .206), (48, .237), (64, .302), (96, .357), (128, .405), (192, .547),
                 (256, .675))}
+# 192-row tiles (three consumers): 1.5x the 128-row time, as the tensor work; with no DRAM-latency floor, this
+# model picks within 2% of the best of 100 forced 192-row configs on 18 shapes at M 144..384 (H100, perf-notes
+# session 18).
+_KB_US[192] = tuple((bn, 1.5 * us) for bn, us in _KB_US[128])
 _DRAM_EFFICIENCY = 0.82        # achieved / peak DRAM bandwidth when streaming operands
 _DRAM_LATENCY_US = 4.0         # a stage's load under load, when B streams from DRAM once (M <= BM): a CTA gets one
                                # stage back every latency / stages (16x4096x8192: BN32 0.28 us/kb, BN128 0.49)
@@ -185,7 +189,7 @@ def split_time_us(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: 
     waves = -(-tiles * splits // props.sm_count)
     kb_per_unit = -(-(-(-k // BK)) // splits)
     per_kb = kblock_us(bm, bn)
-    if m <= bm:  # nothing is re-read from L2: every stage waits on DRAM
+    if m <= bm < 192:  # nothing is re-read from L2: every stage waits on DRAM (192 rows: measured without it)
         per_kb = max(per_kb, _DRAM_LATENCY_US / max_stages(bm, bn, 4 if splits > 1 else 2, props.smem_per_block_optin))
     main = waves * kb_per_unit * per_kb
     dram = (m + n) * k * 2 / (props.dram_bytes_per_s * _DRAM_EFFICIENCY) * 1e6
@@ -205,6 +209,25 @@ PAIRED_FACTOR = 0.95
 # 16.6, 128x2048x28672 51.2 -> 47.7, 96x256x32768 14.0 -> 13.1, 128x1024x32768 33.2 -> 31.2, 128x4096x16384 56.2
 # -> 54.2). Not at M = 256: 256x256x32768 18.8 -> 19.2, 256x512x65536 42.3 -> 46.6 (perf-notes, session 15).
 SPLIT_BM64_MAX_M = 128
+# 192-row tiles for M in 129..192 and 321..384, where 128-row ones add a row block that is mostly empty, or two
+# of three row blocks re-read B. Same process, H100, 30 shapes not used for the fit, old pick -> new (us):
+# 184x5120x1024 10.9 -> 8.1, 168x12288x12288 132.9 -> 116.2, 360x14336x2048 42.2 -> 35.4, every M <= 192 shape
+# 4-35% faster; at M 257..320 two 192-row blocks lost up to 10% (264x14336x5120 103.9 -> 115.2), so 128 stays
+# there (perf-notes, session 18). Three consumers get 152 registers: BN <= 192, and <= 160 with the split epilogue.
+BM192_MAX_BN = 192
+BM192_SPLIT_MAX_BN = 160
+
+
+def row_tile(m: int) -> int:
+    """BM of the unsplit tiles: 64 for M <= 64, 192 where 128 would pad M to a mostly empty extra row block."""
+    if m <= 64:
+        return 64
+    return 192 if 128 < m <= 192 or 320 < m <= 384 else 128
+
+
+def _bn_fits(bm: int, bn: int, splits: int) -> bool:
+    """Whether ptx/gemm.cu's BM x BN tile fits the consumers' registers."""
+    return bm != 192 or bn <= (BM192_SPLIT_MAX_BN if splits > 1 else BM192_MAX_BN)
 # B loaded with an evict-first L2 policy (ptx/common/sm90.cuh l2_evict_first) when M <= this: every tile of B is
 # read by one CTA, or by the 64-row tiles of one column, which run at the same time; its stream then no longer evicts
 # A or the split-K partials. Only where a row of B is STREAM_B_MIN_ROW_BYTES or longer, and B is [N, K]. H100, same
@@ -228,6 +251,8 @@ def split_candidates(m: int, n: int, k: int, bm: int, bn0: int, b_kn: bool, prop
     cands = [(split_time_us(m, n, k, bm, bn0, 1, props), bm, bn0, 1)]
     for bn in _split_bn_candidates(n):
         if max_stages(split_bm, bn, 4, props.smem_per_block_optin, b_kn) < MIN_SPLIT_STAGES:
+            continue
+        if not _bn_fits(split_bm, bn, 2):
             continue
         tiles = -(-m // split_bm) * -(-n // bn)
         # Unsplit 64-row tiles too, when they fill the GPU where 128-row ones do not (H100, same process, old ->
@@ -259,20 +284,20 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
                 accumulate: bool = False, b_kn: bool = False) -> GemmConfig:
     """Block shape, stages and split-K count.
 
-    Without split-K (enough tiles to fill the GPU, or split_k=1): BM is 64 for M <= 64, else 128 (split-K
-    searches 64-row tiles up to M = SPLIT_BM64_MAX_M); BN runs over
-    multiples of 16 up to 256 (and N rounded up to 8 when N is small); fewer waves win, then a fuller last wave,
+    Without split-K (enough tiles to fill the GPU, or split_k=1): BM is 64 for M <= 64, 192 for M in 129..192
+    and 321..384, else 128 (`row_tile`; split-K searches 64-row tiles up to M = SPLIT_BM64_MAX_M); BN runs over
+    multiples of 16 up to 256 (192 for 192-row tiles) and N rounded up to 8 when N is small; fewer waves win, then a fuller last wave,
     then the larger tile (the DeepGEMM approach). When the tiles do not fill the GPU, (BN, splits) pairs are
     compared with a throughput model (`_split_time`). `split_k` forces the count. Stages fill the smem budget.
     """
-    bm = 64 if m <= 64 else 128
+    bm = row_tile(m)
     k_blocks = -(-k // BK)
     budget = props.smem_per_block_optin
     epi_plain = 4 if accumulate else out_bytes
 
     def no_split():
-        return fewest_waves_bn(m, n, bm, [b for b in _bn_candidates(n)
-                                          if max_stages(bm, b, epi_plain, budget, b_kn) >= 2], props)
+        return fewest_waves_bn(m, n, bm, [b for b in _bn_candidates(n) if _bn_fits(bm, b, 1)
+                                          and max_stages(bm, b, epi_plain, budget, b_kn) >= 2], props)
 
     if split_k is not None:
         splits = max(1, min(int(split_k), k_blocks))
@@ -285,7 +310,7 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
             and k_blocks >= 2 * MIN_KBLOCKS_PER_SPLIT):
         _, bm, bn, splits = choose_split(split_candidates(m, n, k, bm, bn0, b_kn, props), m, n, props)
     elif splits > 1:  # forced count: fewest waves of units, then the larger tile
-        fits = [b for b in _bn_candidates(n) if max_stages(bm, b, 4, budget, b_kn) >= 2]
+        fits = [b for b in _bn_candidates(n) if _bn_fits(bm, b, splits) and max_stages(bm, b, 4, budget, b_kn) >= 2]
         bn = min(fits, key=lambda b: (-(-(-(-m // bm) * -(-n // b) * splits) // props.sm_count), -b))
     else:
         bn = bn0
@@ -394,8 +419,8 @@ BENCH_SHAPES = {
 
 
 def variants():
-    """Every kernel variant the heuristic picks for the benchmark shapes (bf16 in; bf16 and fp32 out; plain,
-    split-K, deterministic split-K, accumulate into fp32 D)."""
+    """Every kernel variant the heuristic picks for the benchmark shapes and three 192-row shapes (bf16 in; bf16
+    and fp32 out; plain, split-K, deterministic split-K, accumulate into fp32 D)."""
     from ..runtime.driver import H100
 
     seen = {}
@@ -404,7 +429,8 @@ def variants():
         d = _defines(dt.bfloat16, out, cfg, epi, deterministic=deterministic)
         seen[tuple(sorted(d.items()))] = ("gemm.cu", "gemm_kernel", d, cfg.smem)
 
-    for shapes in BENCH_SHAPES.values():
+    rows_192 = [(192, 7168, 8192), (192, 7168, 2048), (384, 7168, 8192)]  # 192-row tiles: split, unsplit, pairs
+    for shapes in list(BENCH_SHAPES.values()) + [rows_192]:
         for m, n, k in shapes:
             for out in (dt.bfloat16, dt.float32):
                 cfg = pick_config(m, n, k, out.itemsize, H100)
