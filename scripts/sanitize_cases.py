@@ -21,9 +21,14 @@ b = DeviceArray.from_numpy(rng.standard_normal((136, 520)).astype(ck.bfloat16.nu
 cmat = DeviceArray.from_numpy(rng.standard_normal((130, 136)).astype(np.float32))
 ref = a.numpy().astype(np.float64) @ b.numpy().astype(np.float64).T
 for kw in ({}, {"c": cmat}, {"split_k": 4}, {"split_k": 4, "deterministic": True}):
-    d = ck.gemm(a, b, out_dtype="float32", **kw)
+    d = ck.gemm(a, b, out_dtype="float32", **kw)  # 130 rows: 192-row tiles (three consumers)
     want = ref + (cmat.numpy() if "c" in kw else 0)
     assert np.abs(d.numpy() - want).max() < 1e-2 * np.abs(want).max(), kw
+a_250 = DeviceArray.from_numpy(rng.standard_normal((250, 520)).astype(ck.bfloat16.numpy))
+ref_250 = a_250.numpy().astype(np.float64) @ b.numpy().astype(np.float64).T
+for kw in ({}, {"split_k": 4, "deterministic": True}):
+    d = ck.gemm(a_250, b, out_dtype="float32", **kw)  # 128-row tiles
+    assert np.abs(d.numpy() - ref_250).max() < 1e-2 * np.abs(ref_250).max(), kw
 # M <= 64 split-K (one consumer warpgroup), with C, twice (the counters must come back to zero)
 a_small, b_small = DeviceArray.from_numpy(a.numpy()[:13].copy()), DeviceArray.from_numpy(b.numpy()[:120].copy())
 c_small = DeviceArray.from_numpy(cmat.numpy()[:13, :120].copy())
