@@ -78,6 +78,7 @@ constexpr int HALVES = A_IN_REGS ? 2 : 1;  // column halves per k block (A from 
 constexpr int PART_N = BN / HALVES;        // columns of one wgmma (the scratch accumulator)
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int A_STAGE = BM * BK;
+constexpr int A_SLICE = 64;  // rows of A's TMA box: a tile's A is loaded in 64-row slices (tma_load_in_bounds)
 constexpr int B_STAGE = BN * BK;
 constexpr int SA_STAGE = BM * 4;
 constexpr bool WGRAD = LAYOUT == LAYOUT_KGROUPED;
@@ -321,8 +322,8 @@ __device__ __forceinline__ bool row_writable(const Tile& t, int r, int group) {
   return t.m0 + r < t.rows;
 }
 
-// tm_a / tm_b: boxes {128, BM} / {128, BN} (halves under multicast), 128-byte swizzle; tm_sa: the M-major scales
-// of A as a [K/128][M] fp32 tensor, box {BM, 1}; tm_sb (LAYOUT_KGROUPED): B's as [K/128][N], box {BN, 1};
+// tm_a / tm_b: boxes {128, A_SLICE} / {128, BN} (B: halves under multicast), 128-byte swizzle; tm_sa: the M-major
+// scales of A as a [K/128][M] fp32 tensor, box {BM, 1}; tm_sb (LAYOUT_KGROUPED): B's as [K/128][N], box {BN, 1};
 // tm_d: D in bf16 (fp32 for LAYOUT_KGROUPED), box {CH, 64}, swizzle CH * OUT_BYTES. d / ld_d: D for the direct
 // writes. M, N, K: one group's GEMM (LAYOUT_CONTIGUOUS: M counts all rows; LAYOUT_KGROUPED: K counts all groups').
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
@@ -360,6 +361,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   if (wg == 0) {
     // ---- producer ----
     regs_decrease<PRODUCER_REGS>();
+    const int a_rows = LAYOUT == LAYOUT_MASKED ? groups * M : M;  // rows of A's (flattened) map
     if (tid == 0) {  // one thread issues the loads
       int s = 0;
       u32 phase = 0;
@@ -368,8 +370,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
         if (t.skip) continue;
         for (int kb = t.kb0; kb < t.kb1; ++kb) {
           mbar_wait(&empty[s], phase ^ 1);
-          mbar_arrive_expect_tx(&full[s], A_STAGE + B_STAGE + SA_STAGE + SB_BYTES);
-          tma_load_operand<MCAST == 2>(smem + s * A_STAGE, &tm_a, &full[s], kb * BK, t.a_row, BM, A_STAGE, rank);
+          mbar_arrive_expect_tx(&full[s], tile_bytes_in_bounds<A_SLICE>(t.a_row, BM, a_rows) + B_STAGE + SA_STAGE +
+                                              SB_BYTES);
+          tma_load_in_bounds<MCAST == 2, A_SLICE>(smem + s * A_STAGE, &tm_a, &full[s], kb * BK, t.a_row, BM, a_rows,
+                                                  rank);
           tma_load_operand<MCAST == 1, STREAM_B>(smem + SMEM_B + s * B_STAGE, &tm_b, &full[s], kb * BK, t.b_row, BN,
                                                 B_STAGE, rank);
           tma_load_2d(smem + SMEM_SA + s * SA_STAGE, &tm_sa, &full[s], t.a_row, kb);

@@ -15,8 +15,8 @@ def fake(shape, dtype, strides=None, offset=0):
     return DeviceArray.from_pointer(FAKE + offset, shape, dtype, strides)
 
 
-@pytest.mark.parametrize("shape", g.BENCH_SHAPES["large"] + g.BENCH_SHAPES["skinny"] + [(1, 8, 8), (17, 24, 40), (160, 7168, 8192),
-                                   (192, 512, 16384), (336, 4096, 8192), (384, 7168, 2048)])
+@pytest.mark.parametrize("shape", g.BENCH_SHAPES["large"] + g.BENCH_SHAPES["skinny"] + [
+    (1, 8, 8), (17, 24, 40), (160, 7168, 8192), (192, 512, 16384), (336, 4096, 8192), (384, 7168, 2048)])
 @pytest.mark.parametrize("out_bytes", [2, 4])
 @pytest.mark.parametrize("split_k", [None, 1, 7])
 def test_config_fits_and_matches_the_kernel_layout(shape, out_bytes, split_k):

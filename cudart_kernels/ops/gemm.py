@@ -286,9 +286,10 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
 
     Without split-K (enough tiles to fill the GPU, or split_k=1): BM is 64 for M <= 64, 192 for M in 129..192
     and 321..384, else 128 (`row_tile`; split-K searches 64-row tiles up to M = SPLIT_BM64_MAX_M); BN runs over
-    multiples of 16 up to 256 (192 for 192-row tiles) and N rounded up to 8 when N is small; fewer waves win, then a fuller last wave,
-    then the larger tile (the DeepGEMM approach). When the tiles do not fill the GPU, (BN, splits) pairs are
-    compared with a throughput model (`_split_time`). `split_k` forces the count. Stages fill the smem budget.
+    multiples of 16 up to 256 (192 for 192-row tiles) and N rounded up to 8 when N is small; fewer waves win, then
+    a fuller last wave, then the larger tile (the DeepGEMM approach). When the tiles do not fill the GPU, (BN,
+    splits) pairs are compared with a throughput model (`_split_time`). `split_k` forces the count. Stages fill
+    the smem budget.
     """
     bm = row_tile(m)
     k_blocks = -(-k // BK)

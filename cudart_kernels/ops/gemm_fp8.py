@@ -18,6 +18,7 @@ from . import gemm as _gemm
 from .quantize import mmajor_stride
 
 BK = 128                 # k per stage: 128 e4m3 bytes, one scale block
+A_SLICE = 64             # rows of A's TMA box (ptx/gemm_fp8.cu A_SLICE)
 MAX_BN = 256             # above 192 a k block runs as two column halves through one scratch set (A in registers)
 MAX_BN_MEMORY_BOUND = 192  # one wave of 256-wide tiles ran 10-25% slower than two of 128 (docs/perf-notes.md)
 MAX_STAGES = 12
@@ -409,7 +410,7 @@ def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, props) -> 
     else:
         grid = _gemm.persistent_grid(launch, m_all, n, cfg.bm, cfg.bn, cfg.mcast, 1, cfg.smem, props)
     kb = -(-k // 128)
-    a_box = cfg.bm // 2 if cfg.mcast == _gemm.MCAST_SHARE_A else cfg.bm
+    a_box = A_SLICE  # A is loaded in 64-row slices, skipping those past its last row (ptx/common tma_load_in_bounds)
     b_box = cfg.bn // 2 if cfg.mcast == _gemm.MCAST_SHARE_B else cfg.bn
     map_a = (dt.float8_e4m3, (k, av.shape[0]), (av.strides[0],), (BK, a_box), 128)
     map_b = (dt.float8_e4m3, (k, bv.shape[0]), (bv.strides[0],), (BK, b_box), 128)
