@@ -35,7 +35,7 @@
 // 128-row tile there computes a second, mostly empty, row block.
 //
 // Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64, 128 or 192), BN (8..256, step 8), STAGES, EPI,
-// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST, STREAM_B.
+// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST, STREAM_B, A_BOX.
 #include "common/gemm_tiles.cuh"
 #include "common/memory.cuh"
 #include "common/wgmma_ops.cuh"
@@ -74,6 +74,12 @@ constexpr int CONSUMERS = BM / 64;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int OUT_BYTES = OUT_KIND == KIND_FP32 ? 4 : 2;
 constexpr int A_STAGE = BM * BK * 2;
+// Rows of A's TMA box: the tile, this CTA's half under MCAST 2, or 64 when M is not a multiple of BM, so that the
+// boxes wholly past M are skipped (tma_load_in_bounds).
+#ifndef A_BOX
+#define A_BOX (MCAST == 2 ? BM / 2 : BM)
+#endif
+static_assert((MCAST == 2 ? BM / 2 : BM) % A_BOX == 0, "A's box must divide the rows a CTA loads");
 constexpr int B_PANELS = (BN + 63) / 64;                   // [K, N] B: 64-column panels of BK rows
 constexpr int B_PANEL_BYTES = BK * 128;
 constexpr int B_STAGE = B_KN ? B_PANELS * B_PANEL_BYTES : BN * BK * 2;
@@ -203,10 +209,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
       const int m0 = wk.tm * BM, n0 = wk.tn * BN;
       for (int kb = wk.split * k_blocks / splits; kb < (wk.split + 1) * k_blocks / splits; ++kb) {
         mbar_wait(&empty[s], phase ^ 1);
-        mbar_arrive_expect_tx(&full[s], A_STAGE + B_STAGE);
         u8* sa = smem + s * A_STAGE;
         u8* sb = smem + SMEM_B + s * B_STAGE;
-        tma_load_operand<MCAST == 2>(sa, &tm_a, &full[s], kb * BK, m0, BM, A_STAGE, rank);
+        mbar_arrive_expect_tx(&full[s], tile_bytes_in_bounds<A_BOX>(m0, BM, M) + B_STAGE);
+        tma_load_in_bounds<MCAST == 2, A_BOX>(sa, &tm_a, &full[s], kb * BK, m0, BM, M, rank);
 #if B_KN
         for (int p = 0; p < B_PANELS; ++p)
           tma_load_2d<STREAM_B>(sb + p * B_PANEL_BYTES, &tm_b, &full[s], n0 + p * 64, kb * BK);

@@ -48,7 +48,7 @@
 // STREAM_B = 1 loads B with an evict-first L2 policy, as in gemm.cu.
 //
 // Compile-time parameters: BM (64, 128, 256), BN (16..256, step 16; 256 rows: up to 128), STAGES, MCAST, LAYOUT,
-// KSPLIT, STREAM_B.
+// KSPLIT, STREAM_B, A_BOX.
 #include "common/gemm_tiles.cuh"
 #include "common/wgmma_ops.cuh"
 
@@ -78,7 +78,12 @@ constexpr int HALVES = A_IN_REGS ? 2 : 1;  // column halves per k block (A from 
 constexpr int PART_N = BN / HALVES;        // columns of one wgmma (the scratch accumulator)
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int A_STAGE = BM * BK;
-constexpr int A_SLICE = 64;  // rows of A's TMA box: a tile's A is loaded in 64-row slices (tma_load_in_bounds)
+// Rows of A's TMA box: the tile, this CTA's half under MCAST 2, or 64 when A's rows are not a multiple of BM, so
+// that the boxes wholly past them are skipped (tma_load_in_bounds).
+#ifndef A_BOX
+#define A_BOX (MCAST == 2 ? BM / 2 : BM)
+#endif
+static_assert((MCAST == 2 ? BM / 2 : BM) % A_BOX == 0, "A's box must divide the rows a CTA loads");
 constexpr int B_STAGE = BN * BK;
 constexpr int SA_STAGE = BM * 4;
 constexpr bool WGRAD = LAYOUT == LAYOUT_KGROUPED;
@@ -322,7 +327,7 @@ __device__ __forceinline__ bool row_writable(const Tile& t, int r, int group) {
   return t.m0 + r < t.rows;
 }
 
-// tm_a / tm_b: boxes {128, A_SLICE} / {128, BN} (B: halves under multicast), 128-byte swizzle; tm_sa: the M-major
+// tm_a / tm_b: boxes {128, A_BOX} / {128, BN} (B: halves under multicast), 128-byte swizzle; tm_sa: the M-major
 // scales of A as a [K/128][M] fp32 tensor, box {BM, 1}; tm_sb (LAYOUT_KGROUPED): B's as [K/128][N], box {BN, 1};
 // tm_d: D in bf16 (fp32 for LAYOUT_KGROUPED), box {CH, 64}, swizzle CH * OUT_BYTES. d / ld_d: D for the direct
 // writes. M, N, K: one group's GEMM (LAYOUT_CONTIGUOUS: M counts all rows; LAYOUT_KGROUPED: K counts all groups').
@@ -370,10 +375,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
         if (t.skip) continue;
         for (int kb = t.kb0; kb < t.kb1; ++kb) {
           mbar_wait(&empty[s], phase ^ 1);
-          mbar_arrive_expect_tx(&full[s], tile_bytes_in_bounds<A_SLICE>(t.a_row, BM, a_rows) + B_STAGE + SA_STAGE +
+          mbar_arrive_expect_tx(&full[s], tile_bytes_in_bounds<A_BOX>(t.a_row, BM, a_rows) + B_STAGE + SA_STAGE +
                                               SB_BYTES);
-          tma_load_in_bounds<MCAST == 2, A_SLICE>(smem + s * A_STAGE, &tm_a, &full[s], kb * BK, t.a_row, BM, a_rows,
-                                                  rank);
+          tma_load_in_bounds<MCAST == 2, A_BOX>(smem + s * A_STAGE, &tm_a, &full[s], kb * BK, t.a_row, BM, a_rows,
+                                                rank);
           tma_load_operand<MCAST == 1, STREAM_B>(smem + SMEM_B + s * B_STAGE, &tm_b, &full[s], kb * BK, t.b_row, BN,
                                                 B_STAGE, rank);
           tma_load_2d(smem + SMEM_SA + s * SA_STAGE, &tm_sa, &full[s], t.a_row, kb);

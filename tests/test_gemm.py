@@ -102,6 +102,23 @@ def test_multicast_and_tile_order():
         assert (g.epilogue_chunk(bn, eb), g.epilogue_swizzle(bn, eb)) == (ch, swz), (bn, eb)
 
 
+def test_a_box():
+    """A's TMA box: the whole tile (or half under A-sharing pairs) for M a multiple of BM, else 64-row slices, so
+    that the slices wholly past M are not loaded."""
+    none, share_a, share_b = g.MCAST_NONE, g.MCAST_SHARE_A, g.MCAST_SHARE_B
+    assert (g.a_box(4096, 128, none), g.a_box(4096, 128, share_a), g.a_box(4096, 256, share_a)) == (128, 64, 128)
+    assert (g.a_box(4100, 128, share_b), g.a_box(300, 128, share_a), g.a_box(129, 192, none)) == (64, 64, 64)
+    assert g.a_box(17, 64, none) == 64
+    ragged, aligned = g.pick_config(777, 1000, 4096, 2, H100), g.pick_config(768, 1000, 4096, 2, H100)
+    assert ragged.mcast != share_a and ragged.a_box == 64
+    assert g._defines(dt.bfloat16, dt.bfloat16, ragged)["A_BOX"] == 64
+    assert "A_BOX" not in g._defines(dt.bfloat16, dt.bfloat16, aligned)  # the kernel's default: the whole tile
+    from cudart_kernels.ops import gemm_fp8 as f
+    assert f._defines(f.pick_config(160, 4096, 7168, H100)).get("A_BOX", 64) == 64
+    assert f.pick_config(1000, 4096, 7168, H100).a_box == 64
+    assert "A_BOX" not in f._defines(f.pick_config(4096, 7168, 16384, H100))
+
+
 def test_l2_promotion():
     assert g.l2_promotion(1, 1) == g.l2_promotion(4, 1) == 256  # unsplit: 256-byte fills
     assert g.l2_promotion(1, 8) == 256                           # split, streamed by one reader

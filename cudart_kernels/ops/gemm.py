@@ -15,6 +15,7 @@ from ..runtime.launch import get_launcher
 from ..runtime.tensormap import AddressedMapCache
 
 BK = 64                      # k elements per pipeline stage (128 bytes: one 128-byte swizzle span)
+A_SLICE = 64                 # rows of A's TMA box when M is not a multiple of BM (`a_box`)
 ALIGN_SLACK = 1024           # the kernel aligns its dynamic shared memory to 1024 bytes
 _KIND = {dt.bfloat16: "KIND_BF16", dt.float16: "KIND_FP16", dt.float32: "KIND_FP32"}
 _INPUTS = (dt.bfloat16, dt.float16)
@@ -106,6 +107,7 @@ class GemmConfig:
     mcast: int = MCAST_NONE  # 2-CTA cluster pairing tiles along M (sharing B) or along N (sharing A)
     group_m: int = 1         # cluster-tile rows per group of the tile order
     stream_b: bool = False   # B loaded with an evict-first L2 policy (`streams_b`)
+    a_box: int = 0           # rows of A's TMA box (`a_box`); 0: the whole tile, or this CTA's half under pairs
 
     @property
     def threads(self) -> int:
@@ -218,6 +220,16 @@ BM192_MAX_BN = 192
 BM192_SPLIT_MAX_BN = 160
 
 
+def a_box(m: int, bm: int, mcast: int) -> int:
+    """Rows of A's TMA box: the whole tile (this CTA's half when pairs share A), or A_SLICE rows when M is not a
+    multiple of BM, so that the boxes wholly past M are not loaded (ptx/common tma_load_in_bounds: TMA's zero fill
+    of such a box is slow). H100, same process, whole -> sliced boxes: BF16 264x14336x3072 65.7 -> 59.4 us,
+    777x1000x4096 22.4 -> 20.0; FP8 160x4096x7168 28.2 -> 20.4. Aligned M keeps one box (8192^3 read 1.5% slower
+    sliced; docs/perf-notes.md session 18)."""
+    whole = bm // 2 if mcast == MCAST_SHARE_A else bm
+    return A_SLICE if m % bm and whole > A_SLICE else whole
+
+
 def row_tile(m: int) -> int:
     """BM of the unsplit tiles: 64 for M <= 64, 192 where 128 would pad M to a mostly empty extra row block."""
     if m <= 64:
@@ -325,7 +337,7 @@ def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     stages = max_stages(bm, bn, epi, props.smem_per_block_optin, b_kn)
     mcast = pick_multicast(m, n, bm, bn, splits, b_kn, props) if MULTICAST else MCAST_NONE
     return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn), mcast,
-                      group_rows(m, n, bm, bn, mcast, props), streams_b(m, k, 2) and not b_kn)
+                      group_rows(m, n, bm, bn, mcast, props), streams_b(m, k, 2) and not b_kn, a_box(m, bm, mcast))
 
 
 def cluster_tiles(m: int, n: int, bm: int, bn: int, mcast: int) -> tuple[int, int]:
@@ -408,6 +420,8 @@ def _defines(in_dtype, out_dtype, cfg: GemmConfig, epi: str = "EPI_STORE", c_dty
         d["MCAST"] = cfg.mcast
     if cfg.stream_b:
         d["STREAM_B"] = 1
+    if cfg.a_box and cfg.a_box != a_box(0, cfg.bm, cfg.mcast):
+        d["A_BOX"] = cfg.a_box
     return d
 
 
@@ -420,8 +434,9 @@ BENCH_SHAPES = {
 
 
 def variants():
-    """Every kernel variant the heuristic picks for the benchmark shapes and three 192-row shapes (bf16 in; bf16
-    and fp32 out; plain, split-K, deterministic split-K, accumulate into fp32 D)."""
+    """Every kernel variant the heuristic picks for the benchmark shapes, three 192-row shapes and one M that is
+    not a multiple of the tile (bf16 in; bf16 and fp32 out; plain, split-K, deterministic split-K, accumulate into
+    fp32 D)."""
     from ..runtime.driver import H100
 
     seen = {}
@@ -431,7 +446,8 @@ def variants():
         seen[tuple(sorted(d.items()))] = ("gemm.cu", "gemm_kernel", d, cfg.smem)
 
     rows_192 = [(192, 7168, 8192), (192, 7168, 2048), (384, 7168, 8192)]  # 192-row tiles: split, unsplit, pairs
-    for shapes in list(BENCH_SHAPES.values()) + [rows_192]:
+    ragged = [(777, 1000, 4096)]  # M not a multiple of the tile: 64-row A boxes
+    for shapes in list(BENCH_SHAPES.values()) + [rows_192, ragged]:
         for m, n, k in shapes:
             for out in (dt.bfloat16, dt.float32):
                 cfg = pick_config(m, n, k, out.itemsize, H100)
@@ -566,9 +582,9 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, props):
     grid = persistent_grid(launch, m, n, cfg.bm, cfg.bn, cfg.mcast, cfg.splits, cfg.smem, props)
     it = av.dtype.itemsize
     ld_w = -(-n // 4) * 4
-    a_rows = cfg.bm // 2 if cfg.mcast == MCAST_SHARE_A else cfg.bm  # a multicast side loads half a tile
     cl_m, cl_n = cluster_tiles(m, n, cfg.bm, cfg.bn, cfg.mcast)
-    map_a = (av.dtype, (k, m), (av.strides[0] * it,), (BK, a_rows), 128, l2_promotion(cl_n, cfg.splits))
+    box = cfg.a_box or a_box(0, cfg.bm, cfg.mcast)
+    map_a = (av.dtype, (k, m), (av.strides[0] * it,), (BK, box), 128, l2_promotion(cl_n, cfg.splits))
     if b_kn:  # [K, N]: boxes of 64 N x 64 K, loaded panel by panel
         map_b = (bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128, l2_promotion(cl_m, cfg.splits))
     else:

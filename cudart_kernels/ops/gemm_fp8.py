@@ -18,7 +18,6 @@ from . import gemm as _gemm
 from .quantize import mmajor_stride
 
 BK = 128                 # k per stage: 128 e4m3 bytes, one scale block
-A_SLICE = 64             # rows of A's TMA box (ptx/gemm_fp8.cu A_SLICE)
 MAX_BN = 256             # above 192 a k block runs as two column halves through one scratch set (A in registers)
 MAX_BN_MEMORY_BOUND = 192  # one wave of 256-wide tiles ran 10-25% slower than two of 128 (docs/perf-notes.md)
 MAX_STAGES = 12
@@ -43,6 +42,7 @@ class Fp8Config:
     layout: str = NORMAL
     splits: int = 1                # split-K: a cluster of `splits` CTAs per tile, one K slice each
     stream_b: bool = False         # B loaded with an evict-first L2 policy (gemm.streams_b)
+    a_box: int = 0                 # rows of A's TMA box (gemm.a_box); 0: the whole tile, or its half under pairs
 
     @property
     def consumers(self) -> int:
@@ -217,7 +217,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         mcast = _gemm.pick_multicast(m_all, n, bm, bn, 1, False, props, share_b)
     group_m = _gemm.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     stream_b = layout == NORMAL and _gemm.streams_b(m, k, 1)
-    return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits, stream_b)
+    return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits, stream_b,
+                     _gemm.a_box(m, bm, mcast))
 
 
 def _defines(cfg: Fp8Config) -> dict:
@@ -230,6 +231,8 @@ def _defines(cfg: Fp8Config) -> dict:
         d["KSPLIT"] = cfg.splits
     if cfg.stream_b:
         d["STREAM_B"] = 1
+    if cfg.a_box and cfg.a_box != _gemm.a_box(0, cfg.bm, cfg.mcast):
+        d["A_BOX"] = cfg.a_box
     return d
 
 
@@ -258,11 +261,13 @@ def _bench_configs(props):
 
 
 def variants():
-    """Every kernel variant the heuristic picks for the benchmark shapes."""
+    """Every kernel variant the heuristic picks for the benchmark shapes, and for two M that are not multiples of
+    the tile (64-row A boxes)."""
     from ..runtime.driver import H100
 
     seen = {}
-    for cfg in _bench_configs(H100):
+    ragged = [pick_config(m, 4096, 7168, H100) for m in (160, 1000)]
+    for cfg in list(_bench_configs(H100)) + ragged:
         d = _defines(cfg)
         seen[tuple(sorted(d.items()))] = ("gemm_fp8.cu", "gemm_fp8_kernel", d, cfg.smem)
     return list(seen.values()) + [("fp8_scales.cu", "scales_to_mmajor", {}, 0)]
@@ -410,7 +415,7 @@ def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, props) -> 
     else:
         grid = _gemm.persistent_grid(launch, m_all, n, cfg.bm, cfg.bn, cfg.mcast, 1, cfg.smem, props)
     kb = -(-k // 128)
-    a_box = A_SLICE  # A is loaded in 64-row slices, skipping those past its last row (ptx/common tma_load_in_bounds)
+    a_box = cfg.a_box or _gemm.a_box(0, cfg.bm, cfg.mcast)
     b_box = cfg.bn // 2 if cfg.mcast == _gemm.MCAST_SHARE_B else cfg.bn
     map_a = (dt.float8_e4m3, (k, av.shape[0]), (av.strides[0],), (BK, a_box), 128)
     map_b = (dt.float8_e4m3, (k, bv.shape[0]), (bv.strides[0],), (BK, b_box), 128)
