@@ -227,7 +227,7 @@ def a_box(m: int, bm: int, mcast: int) -> int:
     777x1000x4096 22.4 -> 20.0; FP8 160x4096x7168 28.2 -> 20.4. Aligned M keeps one box (8192^3 read 1.5% slower
     sliced; docs/perf-notes.md session 18)."""
     whole = bm // 2 if mcast == MCAST_SHARE_A else bm
-    return A_SLICE if m % bm and whole > A_SLICE else whole
+    return A_SLICE if m % bm and whole > A_SLICE and whole % A_SLICE == 0 else whole  # 96-row halves stay whole
 
 
 def row_tile(m: int) -> int:
