@@ -8,7 +8,8 @@
 // N share A), stmatrix + TMA store epilogue. Per 128-deep k block (one scale block) a consumer runs four wgmma
 // m64nBNk32 into a scratch accumulator, waits for them, frees the stage and adds the scratch into its fp32 result
 // scaled by sA (per row) x sB (per 128 columns): FP8 wgmma keeps about 14 mantissa bits, so each scale block is summed
-// by the tensor cores and promoted to fp32 in registers. TMA zero-fills A, B and sA past M, N and K.
+// by the tensor cores and promoted to fp32 in registers. TMA zero-fills A, B and sA past M, N and K, except A's
+// boxes wholly past its rows, which are not loaded (tma_load_in_bounds: their rows are never stored).
 //
 // LAYOUT (`info` is a device int array):
 // - LAYOUT_NORMAL: one GEMM.
