@@ -5,8 +5,9 @@
 // issuing wgmma m64nBNk16 on 128-byte-swizzled tiles. The epilogue writes the tile to shared memory (stmatrix,
 // in the TMA swizzle so that no two lanes of a warp hit one bank) and one thread per consumer stores it with TMA,
 // which overlaps the next tile's main loop. TMA zero-fills loads and clips stores outside the tensor, so every
-// M, N, K tail is handled in the kernel (A's boxes wholly past M are not loaded at all: tma_load_in_bounds). Tiles run in a grouped order (GROUP_M cluster tiles along M at a time,
-// runtime argument) so that the CTAs of a wave share A and B panels in L2.
+// M, N, K tail is handled in the kernel (A's boxes wholly past M are not loaded at all: tma_load_in_bounds).
+// Tiles run in a grouped order (GROUP_M cluster tiles along M at a time, runtime argument) so that the CTAs of a
+// wave share A and B panels in L2.
 //
 // MCAST (2-CTA clusters): 1 pairs two tiles along M that share a B tile, 2 pairs two tiles along N that share
 // an A tile. Each CTA loads half of the shared tile and multicasts it to both; a stage is free again only when
