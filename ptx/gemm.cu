@@ -75,8 +75,8 @@ constexpr int CONSUMERS = BM / 64;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int OUT_BYTES = OUT_KIND == KIND_FP32 ? 4 : 2;
 constexpr int A_STAGE = BM * BK * 2;
-// Rows of A's TMA box: the tile, this CTA's half under MCAST 2, or 64 when M is not a multiple of BM, so that the
-// boxes wholly past M are skipped (tma_load_in_bounds).
+// Rows of A's TMA box: the tile, this CTA's half under MCAST 2, or 32 when M is not a multiple of BM, so that the
+// boxes wholly past M are skipped and the one across M fills fewer rows (tma_load_in_bounds).
 #ifndef A_BOX
 #define A_BOX (MCAST == 2 ? BM / 2 : BM)
 #endif

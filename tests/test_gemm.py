@@ -103,19 +103,20 @@ def test_multicast_and_tile_order():
 
 
 def test_a_box():
-    """A's TMA box: the whole tile (or half under A-sharing pairs) for M a multiple of BM, else 64-row slices, so
-    that the slices wholly past M are not loaded."""
+    """A's TMA box: the whole tile (or half under A-sharing pairs) for M a multiple of BM, else slices (32 rows for
+    BF16, 64 for FP8), so that the slices wholly past M are not loaded."""
     none, share_a, share_b = g.MCAST_NONE, g.MCAST_SHARE_A, g.MCAST_SHARE_B
     assert (g.a_box(4096, 128, none), g.a_box(4096, 128, share_a), g.a_box(4096, 256, share_a)) == (128, 64, 128)
-    assert (g.a_box(4100, 128, share_b), g.a_box(300, 128, share_a), g.a_box(129, 192, none)) == (64, 64, 64)
-    assert g.a_box(17, 64, none) == 64 and g.a_box(130, 192, share_a) == 96  # a 96-row half is not cut in 64s
+    assert (g.a_box(4100, 128, share_b), g.a_box(300, 128, share_a), g.a_box(129, 192, none)) == (32, 32, 32)
+    assert g.a_box(130, 192, share_a) == 32 and g.a_box(130, 192, share_a, 64) == 96  # 64 does not divide 96
+    assert g.a_box(17, 64, none) == 32 and g.a_box(17, 64, none, 64) == 64
     ragged, aligned = g.pick_config(777, 1000, 4096, 2, H100), g.pick_config(768, 1000, 4096, 2, H100)
-    assert ragged.mcast != share_a and ragged.a_box == 64
-    assert g._defines(dt.bfloat16, dt.bfloat16, ragged)["A_BOX"] == 64
+    assert ragged.a_box == 32 and g._defines(dt.bfloat16, dt.bfloat16, ragged)["A_BOX"] == 32
     assert "A_BOX" not in g._defines(dt.bfloat16, dt.bfloat16, aligned)  # the kernel's default: the whole tile
     from cudart_kernels.ops import gemm_fp8 as f
-    assert f._defines(f.pick_config(160, 4096, 7168, H100)).get("A_BOX", 64) == 64
-    assert f.pick_config(1000, 4096, 7168, H100).a_box == 64
+    ragged8 = f.pick_config(1000, 4096, 7168, H100)
+    assert ragged8.a_box == 64 == f._defines(ragged8)["A_BOX"]
+    assert f.pick_config(160, 4096, 7168, H100).a_box == 64
     assert "A_BOX" not in f._defines(f.pick_config(4096, 7168, 16384, H100))
 
 

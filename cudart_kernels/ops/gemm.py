@@ -15,7 +15,7 @@ from ..runtime.launch import get_launcher
 from ..runtime.tensormap import AddressedMapCache
 
 BK = 64                      # k elements per pipeline stage (128 bytes: one 128-byte swizzle span)
-A_SLICE = 64                 # rows of A's TMA box when M is not a multiple of BM (`a_box`)
+A_SLICE = 32                 # rows of A's TMA box when M is not a multiple of BM (`a_box`)
 ALIGN_SLACK = 1024           # the kernel aligns its dynamic shared memory to 1024 bytes
 _KIND = {dt.bfloat16: "KIND_BF16", dt.float16: "KIND_FP16", dt.float32: "KIND_FP32"}
 _INPUTS = (dt.bfloat16, dt.float16)
@@ -220,14 +220,14 @@ BM192_MAX_BN = 192
 BM192_SPLIT_MAX_BN = 160
 
 
-def a_box(m: int, bm: int, mcast: int) -> int:
-    """Rows of A's TMA box: the whole tile (this CTA's half when pairs share A), or A_SLICE rows when M is not a
-    multiple of BM, so that the boxes wholly past M are not loaded (ptx/common tma_load_in_bounds: TMA's zero fill
-    of such a box is slow). H100, same process, whole -> sliced boxes: BF16 264x14336x3072 65.7 -> 59.4 us,
-    777x1000x4096 22.4 -> 20.0; FP8 160x4096x7168 28.2 -> 20.4. Aligned M keeps one box (8192^3 read 1.5% slower
-    sliced; docs/perf-notes.md session 18)."""
+def a_box(m: int, bm: int, mcast: int, slice_rows: int = A_SLICE) -> int:
+    """Rows of A's TMA box: the whole tile (this CTA's half when pairs share A), or `slice_rows` when M is not a
+    multiple of BM, so that the boxes wholly past M are not loaded and the one across M fills fewer rows
+    (ptx/common tma_load_in_bounds: TMA's zero fill is slow). H100, same process, whole -> 32-row boxes: BF16
+    264x14336x3072 65.7 -> 54.1 us, 2000x2112x7168 97.4 -> 93.5 (64-row: no gain there), 777x1000x4096 22.4 ->
+    19.3. Aligned M keeps one box (8192^3 read 1.5% slower with 64-row ones; docs/perf-notes.md session 18)."""
     whole = bm // 2 if mcast == MCAST_SHARE_A else bm
-    return A_SLICE if m % bm and whole > A_SLICE and whole % A_SLICE == 0 else whole  # 96-row halves stay whole
+    return slice_rows if m % bm and whole > slice_rows and whole % slice_rows == 0 else whole
 
 
 def row_tile(m: int) -> int:

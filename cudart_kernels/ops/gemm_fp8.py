@@ -18,6 +18,10 @@ from . import gemm as _gemm
 from .quantize import mmajor_stride
 
 BK = 128                 # k per stage: 128 e4m3 bytes, one scale block
+# Rows of A's TMA box when A's rows are not a multiple of BM (gemm.a_box). 64, not the BF16 GEMM's 32: each extra
+# box per stage cost the FP8 main loop 0.2-0.9% on full tiles (4000x7168x16384 732.6 vs 738.0 us), where BF16 was
+# neutral or gained (H100, same process, 5 rounds; docs/perf-notes.md session 18).
+A_SLICE = 64
 MAX_BN = 256             # above 192 a k block runs as two column halves through one scratch set (A in registers)
 MAX_BN_MEMORY_BOUND = 192  # one wave of 256-wide tiles ran 10-25% slower than two of 128 (docs/perf-notes.md)
 MAX_STAGES = 12
@@ -218,7 +222,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     group_m = _gemm.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     stream_b = layout == NORMAL and _gemm.streams_b(m, k, 1)
     return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits, stream_b,
-                     _gemm.a_box(m, bm, mcast))
+                     _gemm.a_box(m, bm, mcast, A_SLICE))
 
 
 def _defines(cfg: Fp8Config) -> dict:
