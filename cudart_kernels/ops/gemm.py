@@ -240,6 +240,8 @@ def row_tile(m: int) -> int:
 def _bn_fits(bm: int, bn: int, splits: int) -> bool:
     """Whether ptx/gemm.cu's BM x BN tile fits the consumers' registers."""
     return bm != 192 or bn <= (BM192_SPLIT_MAX_BN if splits > 1 else BM192_MAX_BN)
+
+
 # B loaded with an evict-first L2 policy (ptx/common/sm90.cuh l2_evict_first) when M <= this: every tile of B is
 # read by one CTA, or by the 64-row tiles of one column, which run at the same time; its stream then no longer evicts
 # A or the split-K partials. Only where a row of B is STREAM_B_MIN_ROW_BYTES or longer, and B is [N, K]. H100, same
@@ -446,7 +448,7 @@ def variants():
         seen[tuple(sorted(d.items()))] = ("gemm.cu", "gemm_kernel", d, cfg.smem)
 
     rows_192 = [(192, 7168, 8192), (192, 7168, 2048), (384, 7168, 8192)]  # 192-row tiles: split, unsplit, pairs
-    ragged = [(777, 1000, 4096)]  # M not a multiple of the tile: 64-row A boxes
+    ragged = [(777, 1000, 4096)]  # M not a multiple of the tile: 32-row A boxes
     for shapes in list(BENCH_SHAPES.values()) + [rows_192, ragged]:
         for m, n, k in shapes:
             for out in (dt.bfloat16, dt.float32):
