@@ -226,8 +226,13 @@ def a_box(m: int, bm: int, mcast: int, slice_rows: int = A_SLICE) -> int:
     (ptx/common tma_load_in_bounds: TMA's zero fill is slow). H100, same process, whole -> 32-row boxes: BF16
     264x14336x3072 65.7 -> 54.1 us, 2000x2112x7168 97.4 -> 93.5 (64-row: no gain there), 777x1000x4096 22.4 ->
     19.3. Aligned M keeps one box (8192^3 read 1.5% slower with 64-row ones; docs/perf-notes.md session 18)."""
-    whole = bm // 2 if mcast == MCAST_SHARE_A else bm
+    whole = whole_a_box(bm, mcast)
     return slice_rows if m % bm and whole > slice_rows and whole % slice_rows == 0 else whole
+
+
+def whole_a_box(bm: int, mcast: int) -> int:
+    """The rows one CTA loads of a tile's A (half of them when pairs share A): the kernels' default A_BOX."""
+    return bm // 2 if mcast == MCAST_SHARE_A else bm
 
 
 def row_tile(m: int) -> int:
@@ -422,7 +427,7 @@ def _defines(in_dtype, out_dtype, cfg: GemmConfig, epi: str = "EPI_STORE", c_dty
         d["MCAST"] = cfg.mcast
     if cfg.stream_b:
         d["STREAM_B"] = 1
-    if cfg.a_box and cfg.a_box != a_box(0, cfg.bm, cfg.mcast):
+    if cfg.a_box and cfg.a_box != whole_a_box(cfg.bm, cfg.mcast):
         d["A_BOX"] = cfg.a_box
     return d
 
@@ -585,7 +590,7 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, props):
     it = av.dtype.itemsize
     ld_w = -(-n // 4) * 4
     cl_m, cl_n = cluster_tiles(m, n, cfg.bm, cfg.bn, cfg.mcast)
-    box = cfg.a_box or a_box(0, cfg.bm, cfg.mcast)
+    box = cfg.a_box or whole_a_box(cfg.bm, cfg.mcast)
     map_a = (av.dtype, (k, m), (av.strides[0] * it,), (BK, box), 128, l2_promotion(cl_n, cfg.splits))
     if b_kn:  # [K, N]: boxes of 64 N x 64 K, loaded panel by panel
         map_b = (bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128, l2_promotion(cl_m, cfg.splits))

@@ -235,7 +235,7 @@ def _defines(cfg: Fp8Config) -> dict:
         d["KSPLIT"] = cfg.splits
     if cfg.stream_b:
         d["STREAM_B"] = 1
-    if cfg.a_box and cfg.a_box != _gemm.a_box(0, cfg.bm, cfg.mcast):
+    if cfg.a_box and cfg.a_box != _gemm.whole_a_box(cfg.bm, cfg.mcast):
         d["A_BOX"] = cfg.a_box
     return d
 
@@ -419,7 +419,7 @@ def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, props) -> 
     else:
         grid = _gemm.persistent_grid(launch, m_all, n, cfg.bm, cfg.bn, cfg.mcast, 1, cfg.smem, props)
     kb = -(-k // 128)
-    a_box = cfg.a_box or _gemm.a_box(0, cfg.bm, cfg.mcast)
+    a_box = cfg.a_box or _gemm.whole_a_box(cfg.bm, cfg.mcast)
     b_box = cfg.bn // 2 if cfg.mcast == _gemm.MCAST_SHARE_B else cfg.bn
     map_a = (dt.float8_e4m3, (k, av.shape[0]), (av.strides[0],), (BK, a_box), 128)
     map_b = (dt.float8_e4m3, (k, bv.shape[0]), (bv.strides[0],), (BK, b_box), 128)
