@@ -116,7 +116,10 @@ def test_a_box():
     from cudart_kernels.ops import gemm_fp8 as f
     ragged8 = f.pick_config(1000, 4096, 7168, H100)
     assert ragged8.a_box == 64 == f._defines(ragged8)["A_BOX"]
-    assert f.pick_config(160, 4096, 7168, H100).a_box == 64
+    shared_a = f.pick_config(160, 4096, 7168, H100)  # 128-row tiles paired along N: 32-row boxes
+    assert (shared_a.bm, shared_a.mcast, shared_a.a_box) == (128, g.MCAST_SHARE_A, 32)
+    shared_b = f.pick_config(160, 7168, 2048, H100)
+    assert (shared_b.bm, shared_b.mcast, shared_b.a_box) == (128, g.MCAST_SHARE_B, 64)
     assert "A_BOX" not in f._defines(f.pick_config(4096, 7168, 16384, H100))
 
 

@@ -19,9 +19,12 @@ from .quantize import mmajor_stride
 
 BK = 128                 # k per stage: 128 e4m3 bytes, one scale block
 # Rows of A's TMA box when A's rows are not a multiple of BM (gemm.a_box). 64, not the BF16 GEMM's 32: each extra
-# box per stage cost the FP8 main loop 0.2-0.9% on full tiles (4000x7168x16384 732.6 vs 738.0 us), where BF16 was
-# neutral or gained (H100, same process, 5 rounds; docs/perf-notes.md session 18).
+# box per stage cost the FP8 main loop 0.2-0.9% on full tiles (4000x7168x16384 732.6 vs 738.0 us), and 3-14% on
+# 128-row tiles paired along M, where BF16 was neutral or gained (H100, same process; docs/perf-notes.md sessions
+# 18-19). 128-row tiles whose pairs share A (each CTA loads 64 rows) take 32: the box across M fills fewer rows,
+# 1.04-1.25x at M 129..264 (129x4096x7168 24.5 -> 20.0 us), never below 0.993x on 70 shapes (session 19).
 A_SLICE = 64
+A_SLICE_SHARED_128 = 32
 MAX_BN = 256             # above 192 a k block runs as two column halves through one scratch set (A in registers)
 MAX_BN_MEMORY_BOUND = 192  # one wave of 256-wide tiles ran 10-25% slower than two of 128 (docs/perf-notes.md)
 MAX_STAGES = 12
@@ -221,8 +224,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         mcast = _gemm.pick_multicast(m_all, n, bm, bn, 1, False, props, share_b)
     group_m = _gemm.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     stream_b = layout == NORMAL and _gemm.streams_b(m, k, 1)
+    a_slice = A_SLICE_SHARED_128 if bm == 128 and mcast == _gemm.MCAST_SHARE_A else A_SLICE
     return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits, stream_b,
-                     _gemm.a_box(m, bm, mcast, A_SLICE))
+                     _gemm.a_box(m, bm, mcast, a_slice))
 
 
 def _defines(cfg: Fp8Config) -> dict:
