@@ -18,11 +18,12 @@ def fake(shape, dtype, strides=None):
     return DeviceArray.from_pointer(FAKE, shape, dtype, strides)
 
 
-@pytest.mark.parametrize("shape", f.BENCH_SHAPES["normal"] + [(1, 16, 16), (17, 136, 200), (300, 8, 4096)])
+@pytest.mark.parametrize("shape", f.BENCH_SHAPES["normal"] + [(1, 16, 16), (17, 136, 200), (300, 8, 4096),
+                                                            (192, 1536, 7168), (150, 512, 16384)])
 def test_config_fits_and_matches_the_kernel_layout(shape):
     m, n, k = shape
     cfg = f.pick_config(m, n, k, H100)
-    assert cfg.bm == 64 if m <= 64 else cfg.bm in ((64, 128) if m <= 128 else (128, 256))
+    assert cfg.bm == 64 if m <= 64 else cfg.bm in ((64, 128) if m <= 256 else (128, 256))
     assert cfg.bn % 16 == 0 and 16 <= cfg.bn <= (128 if cfg.bm == 256 else f.MAX_BN)
     assert 3 <= cfg.stages <= f.MAX_STAGES
     assert cfg.smem == f.smem_bytes(cfg.bm, cfg.bn, cfg.stages) <= H100.smem_per_block_optin
@@ -32,6 +33,10 @@ def test_config_fits_and_matches_the_kernel_layout(shape):
     if cfg.splits > 1:  # one wave of (tile, split) units, every CTA of a cluster on one tile
         assert cfg.mcast == g.MCAST_NONE and cfg.bm <= 128 and cfg.cluster == cfg.splits
         assert -(-m // cfg.bm) * -(-n // cfg.bn) * cfg.splits <= H100.sm_count
+
+
+def tile_and_splits(cfg):
+    return cfg.bm, cfg.bn, cfg.splits
 
 
 def test_config_choices():
@@ -63,6 +68,13 @@ def test_config_choices():
     assert f.pick_config(128, 7168, 2048, H100).splits == 1
     assert f.pick_config(64, 7168, 16384, H100).splits == 1
     assert f.pick_config(64, 7168, 16384, H100).bm == 64
+    # Two rows of 128-row tiles that fill at most half the SMs split in two as well: 192 x 1536 x 7168 runs 2 x 24
+    # tiles of 128 x 64 (192 rows of 7168 a CTA) -> 64 x 80 tiles, two K halves (3 x 20 x 2 units, 144 rows of
+    # 3584); 240 x 2112 x 7168 -> 128 x 64 x 2 (2 x 33 x 2 units: 64 x 144 would stream 208 rows)
+    assert tile_and_splits(f.pick_config(192, 1536, 7168, H100)) == (64, 80, 2)
+    assert tile_and_splits(f.pick_config(240, 2112, 7168, H100)) == (128, 64, 2)
+    # ... not where the tiles already fill the SMs (2 x 64 tiles: the split lost, 20.0 -> 21.0 us)
+    assert tile_and_splits(f.pick_config(192, 4096, 7168, H100)) == (128, 64, 1)
     # contiguous: 256-row tiles only when the caller's segments allow them; pairs along N only. 4 x 8192 rows,
     # N = 4096: 128 x 192 in 43 waves x 43.3 = 1861 us against 128 x 256 in 32 x 61.1 = 1956 and 128 x 128 in
     # 63 x 29.9 = 1884; 256 x 128 in 32 x 53.7 = 1718 when the segments allow it
@@ -140,7 +152,8 @@ def _check(out, ref):
 
 
 SHAPES = [(1, 16, 16), (3, 24, 48), (17, 136, 208), (64, 256, 128), (65, 264, 1008), (128, 520, 4112),
-          (129, 2112, 384), (300, 1000, 1040), (777, 776, 2064), (4096, 2112, 272), (2048, 7168, 512)]
+          (129, 2112, 384), (300, 1000, 1040), (777, 776, 2064), (4096, 2112, 272), (2048, 7168, 512),
+          (150, 520, 8200), (250, 1000, 4112)]  # the last two: two rows of tiles split in two by the pick
 
 
 @pytest.mark.gpu

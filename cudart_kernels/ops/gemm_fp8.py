@@ -146,17 +146,12 @@ def _fill(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: DevicePr
     return -(-units // props.sm_count) * (bm + bn) * k / splits
 
 
-def _small_m(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties) -> tuple:
-    """For one row of BM x BN tiles (M <= 128, memory-bound): (BM, BN, splits). For BM = 128, 64-row tiles when
-    they cut the fill per CTA by NARROW_ROWS_GAIN or more; then a 2-way split-K (one wave of units: every cluster
-    at once) when it cuts the fill by SPLIT_GAIN, K is at least SPLIT_MIN_K and B at most SPLIT_MAX_B_BYTES."""
-    best = (bm, bn)
-    if bm == 128:
-        narrow = min(range(16, NARROW_ROWS_MAX_BN + 1, 16), key=lambda b: (_fill(m, n, k, 64, b, 1, props), -b))
-        if _fill(m, n, k, 64, narrow, 1, props) <= NARROW_ROWS_GAIN * _fill(m, n, k, 128, bn, 1, props):
-            best = (64, narrow)
+def _split_in_two(m: int, n: int, k: int, unsplit: tuple, props: DeviceProperties) -> tuple | None:
+    """(BM, BN) of a 2-way split-K with one wave of (tile, split) units and the least fill per CTA, when it cuts
+    the fill of the `unsplit` (BM, BN) tiles by SPLIT_GAIN, K is at least SPLIT_MIN_K and B at most
+    SPLIT_MAX_B_BYTES; else None."""
     if n * k > SPLIT_MAX_B_BYTES or k < SPLIT_MIN_K:
-        return best + (1,)
+        return None
     split = []  # per tile height, the narrowest width with one wave of (tile, split) units
     for rows in (64, 128) if m > 64 else (64,):
         widths = [b for b in range(16, MAX_BN_MEMORY_BOUND + 1, 16)
@@ -165,9 +160,21 @@ def _small_m(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties) 
             split.append((_fill(m, n, k, rows, widths[0], 2, props), rows, widths[0]))
     if split:
         fill, rows, cols = min(split)
-        if fill <= SPLIT_GAIN * _fill(m, n, k, *best, 1, props):
-            return rows, cols, 2
-    return best + (1,)
+        if fill <= SPLIT_GAIN * _fill(m, n, k, *unsplit, 1, props):
+            return rows, cols
+    return None
+
+
+def _small_m(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties) -> tuple:
+    """For one row of BM x BN tiles (M <= 128, memory-bound): (BM, BN, splits). For BM = 128, 64-row tiles when
+    they cut the fill per CTA by NARROW_ROWS_GAIN or more; then a 2-way split-K (`_split_in_two`)."""
+    best = (bm, bn)
+    if bm == 128:
+        narrow = min(range(16, NARROW_ROWS_MAX_BN + 1, 16), key=lambda b: (_fill(m, n, k, 64, b, 1, props), -b))
+        if _fill(m, n, k, 64, narrow, 1, props) <= NARROW_ROWS_GAIN * _fill(m, n, k, 128, bn, 1, props):
+            best = (64, narrow)
+    split = _split_in_two(m, n, k, best, props)
+    return split + (2,) if split else best + (1,)
 
 
 def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = NORMAL, groups: int = 1,
@@ -206,6 +213,15 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
             return -(-tiles // props.sm_count) * _tile_us(tbm, tbn, k_blocks, layout), -tbn, tbm
         bm, bn = min(cands, key=cost)
         tiles_m = -(-m_all // bm)
+        # Two rows of tiles that leave half the SMs idle (M 129..256, N <= ~2112): a 2-way split fills them.
+        # H100, same process: 192x1536x7168 18.1 -> 12.1 us, 192x2112x7168 18.7 -> 13.3, 256x2112x7168 18.9 ->
+        # 14.3; where the tiles already fill the SMs it lost (192x4096x7168 20.0 -> 21.0; docs/perf-notes.md
+        # session 19).
+        if layout == NORMAL and tiles_m == 2 and tiles_m * -(-n // bn) <= props.sm_count // 2:
+            split = _split_in_two(m, n, k, (bm, bn), props)
+            if split:
+                (bm, bn), splits = split, 2
+                tiles_m = -(-m_all // bm)
     else:
         widths = [b for b in range(16, min(top, MAX_BN_MEMORY_BOUND) + 1, 16)
                   if max_stages(bm, b, budget, layout) >= 3]
@@ -220,7 +236,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     # a group of one row of tiles would pair with an idle spare; contiguous: never).
     share_b = layout == NORMAL or (per_group and -(-m // bm) >= 2)
     mcast = _gemm.MCAST_NONE
-    if _gemm.MULTICAST and tiles_m >= 2 and layout != KGROUPED:
+    if _gemm.MULTICAST and tiles_m >= 2 and layout != KGROUPED and splits == 1:
         mcast = _gemm.pick_multicast(m_all, n, bm, bn, 1, False, props, share_b)
     group_m = _gemm.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     stream_b = layout == NORMAL and _gemm.streams_b(m, k, 1)
