@@ -153,7 +153,7 @@ def _check(out, ref):
 
 SHAPES = [(1, 16, 16), (3, 24, 48), (17, 136, 208), (64, 256, 128), (65, 264, 1008), (128, 520, 4112),
           (129, 2112, 384), (300, 1000, 1040), (777, 776, 2064), (4096, 2112, 272), (2048, 7168, 512),
-          (150, 520, 8200), (250, 1000, 4112)]  # the last two: two rows of tiles split in two by the pick
+          (150, 520, 8208), (250, 1000, 4112)]  # the last two: two rows of tiles split in two by the pick
 
 
 @pytest.mark.gpu
