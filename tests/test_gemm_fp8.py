@@ -19,11 +19,12 @@ def fake(shape, dtype, strides=None):
 
 
 @pytest.mark.parametrize("shape", f.BENCH_SHAPES["normal"] + [(1, 16, 16), (17, 136, 200), (300, 8, 4096),
-                                                            (192, 1536, 7168), (150, 512, 16384)])
+                                                            (192, 1536, 7168), (150, 512, 16384),
+                                                            (1000, 512, 16384)])
 def test_config_fits_and_matches_the_kernel_layout(shape):
     m, n, k = shape
     cfg = f.pick_config(m, n, k, H100)
-    assert cfg.bm == 64 if m <= 64 else cfg.bm in ((64, 128) if m <= 256 else (128, 256))
+    assert cfg.bm == 64 if m <= 64 else cfg.bm in ((64, 128) if m <= 128 or cfg.splits > 1 else (128, 256))
     assert cfg.bn % 16 == 0 and 16 <= cfg.bn <= (128 if cfg.bm == 256 else f.MAX_BN)
     assert 3 <= cfg.stages <= f.MAX_STAGES
     assert cfg.smem == f.smem_bytes(cfg.bm, cfg.bn, cfg.stages) <= H100.smem_per_block_optin
@@ -68,11 +69,12 @@ def test_config_choices():
     assert f.pick_config(128, 7168, 2048, H100).splits == 1
     assert f.pick_config(64, 7168, 16384, H100).splits == 1
     assert f.pick_config(64, 7168, 16384, H100).bm == 64
-    # Two rows of 128-row tiles that fill at most half the SMs split in two as well: 192 x 1536 x 7168 runs 2 x 24
+    # Tiles of several rows that fill at most half the SMs split in two as well: 192 x 1536 x 7168 runs 2 x 24
     # tiles of 128 x 64 (192 rows of 7168 a CTA) -> 64 x 80 tiles, two K halves (3 x 20 x 2 units, 144 rows of
     # 3584); 240 x 2112 x 7168 -> 128 x 64 x 2 (2 x 33 x 2 units: 64 x 144 would stream 208 rows)
     assert tile_and_splits(f.pick_config(192, 1536, 7168, H100)) == (64, 80, 2)
     assert tile_and_splits(f.pick_config(240, 2112, 7168, H100)) == (128, 64, 2)
+    assert tile_and_splits(f.pick_config(1000, 512, 16384, H100)) == (64, 128, 2)  # 8 x 8 tiles -> 16 x 4 x 2
     # ... not where the tiles already fill the SMs (2 x 64 tiles: the split lost, 20.0 -> 21.0 us)
     assert tile_and_splits(f.pick_config(192, 4096, 7168, H100)) == (128, 64, 1)
     # contiguous: 256-row tiles only when the caller's segments allow them; pairs along N only. 4 x 8192 rows,

@@ -213,11 +213,11 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
             return -(-tiles // props.sm_count) * _tile_us(tbm, tbn, k_blocks, layout), -tbn, tbm
         bm, bn = min(cands, key=cost)
         tiles_m = -(-m_all // bm)
-        # Two rows of tiles that leave half the SMs idle (M 129..256, N <= ~2112): a 2-way split fills them.
-        # H100, same process: 192x1536x7168 18.1 -> 12.1 us, 192x2112x7168 18.7 -> 13.3, 256x2112x7168 18.9 ->
-        # 14.3; where the tiles already fill the SMs it lost (192x4096x7168 20.0 -> 21.0; docs/perf-notes.md
-        # session 19).
-        if layout == NORMAL and tiles_m == 2 and tiles_m * -(-n // bn) <= props.sm_count // 2:
+        # Tiles that leave half the SMs idle (small N at a few rows of tiles): a 2-way split fills them. H100,
+        # same process, 69 shapes at M 136..1000, all faster: 192x1536x7168 18.1 -> 12.1 us, 184x1024x8192 19.5
+        # -> 10.8, 512x256x16384 37.5 -> 17.4; where the tiles already fill the SMs it lost (192x4096x7168 20.0 ->
+        # 21.0; docs/perf-notes.md session 19).
+        if layout == NORMAL and tiles_m * -(-n // bn) <= props.sm_count // 2:
             split = _split_in_two(m, n, k, (bm, bn), props)
             if split:
                 (bm, bn), splits = split, 2
