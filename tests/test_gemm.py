@@ -120,6 +120,9 @@ def test_a_box():
     assert (shared_a.bm, shared_a.mcast, shared_a.a_box) == (128, g.MCAST_SHARE_A, 32)
     shared_b = f.pick_config(160, 7168, 2048, H100)
     assert (shared_b.bm, shared_b.mcast, shared_b.a_box) == (128, g.MCAST_SHARE_B, 64)
+    wide_split, narrow_split = f.pick_config(129, 2112, 7168, H100), f.pick_config(264, 512, 16384, H100)
+    assert (wide_split.bn, wide_split.splits, wide_split.a_box) == (96, 2, 32)
+    assert (narrow_split.bn, narrow_split.splits, narrow_split.a_box) == (48, 2, 64)
     assert "A_BOX" not in f._defines(f.pick_config(4096, 7168, 16384, H100))
 
 

@@ -18,13 +18,9 @@ from . import gemm as _gemm
 from .quantize import mmajor_stride
 
 BK = 128                 # k per stage: 128 e4m3 bytes, one scale block
-# Rows of A's TMA box when A's rows are not a multiple of BM (gemm.a_box). 64, not the BF16 GEMM's 32: each extra
-# box per stage cost the FP8 main loop 0.2-0.9% on full tiles (4000x7168x16384 732.6 vs 738.0 us), and 3-14% on
-# 128-row tiles paired along M, where BF16 was neutral or gained (H100, same process; docs/perf-notes.md sessions
-# 18-19). 128-row tiles whose pairs share A (each CTA loads 64 rows) take 32: the box across M fills fewer rows,
-# 1.04-1.25x at M 129..264 (129x4096x7168 24.5 -> 20.0 us), never below 0.993x on 70 shapes (session 19).
+# Rows of A's TMA box when A's rows are not a multiple of BM (gemm.a_box): see `_a_slice`.
 A_SLICE = 64
-A_SLICE_SHARED_128 = 32
+A_SLICE_FINE = 32
 MAX_BN = 256             # above 192 a k block runs as two column halves through one scratch set (A in registers)
 MAX_BN_MEMORY_BOUND = 192  # one wave of 256-wide tiles ran 10-25% slower than two of 128 (docs/perf-notes.md)
 MAX_STAGES = 12
@@ -240,9 +236,22 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         mcast = _gemm.pick_multicast(m_all, n, bm, bn, 1, False, props, share_b)
     group_m = _gemm.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     stream_b = layout == NORMAL and _gemm.streams_b(m, k, 1)
-    a_slice = A_SLICE_SHARED_128 if bm == 128 and mcast == _gemm.MCAST_SHARE_A else A_SLICE
     return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits, stream_b,
-                     _gemm.a_box(m, bm, mcast, a_slice))
+                     _gemm.a_box(m, bm, mcast, _a_slice(bm, bn, mcast, splits)))
+
+
+def _a_slice(bm: int, bn: int, mcast: int, splits: int) -> int:
+    """Rows of A's box where M is ragged: 32 where the rows that TMA zero-fills in the box across M cost more
+    than a second box per stage, else 64. H100, same process, 64 -> 32 (docs/perf-notes.md sessions 18-19):
+    - 128-row tiles paired along N (64 rows a CTA): 1.04-1.25x at M 129..264 (129x4096x7168 24.5 -> 20.0 us),
+      never below 0.993x on 41 shapes;
+    - split-K tiles of 64+ columns: 1.03-1.23x on 10 of 13 shapes (129x2112x7168 17.1 -> 13.9), 0.986-0.994x on
+      the rest;
+    - but 128-row tiles paired along M (four boxes a stage) lost 3-14%, narrower split tiles 9-16%
+      (264x512x16384, 64 x 48: 17.8 -> 20.6), and full ragged tiles of other configs 0.2-0.9%
+      (4000x7168x16384 732.6 vs 738.0)."""
+    fine = (bm == 128 and mcast == _gemm.MCAST_SHARE_A) or (splits > 1 and bn >= 64)
+    return A_SLICE_FINE if fine else A_SLICE
 
 
 def _defines(cfg: Fp8Config) -> dict:
