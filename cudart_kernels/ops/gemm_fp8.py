@@ -183,8 +183,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     least waves x estimated tile time (`_tile_us`) among 128 x (64..256) and 256 x 128 (normal GEMM from 512
     rows, masked from 256 rows a group, contiguous when the segments allow it); otherwise (memory-bound) BM 128 and BN
     a multiple of 16 up to MAX_BN_MEMORY_BOUND (or N rounded up to 16) with the fewest waves, then the fullest
-    last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_small_m`). Stages
-    fill the shared-memory budget, up to one tile's k blocks (at least MIN_STAGES). Pairs and tile order as for
+    last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_small_m`). Either
+    way, a 2-way split-K over 2-CTA clusters where it streams much less per CTA and, for several rows of tiles,
+    where the tiles would leave half the SMs idle (`_split_in_two`). Stages fill the shared-memory budget, up to one tile's k blocks (at least MIN_STAGES). Pairs and tile order as for
     the BF16 GEMM, but no pairs with a single row of tiles (sharing A there saved nothing and cost 3-8%) or for the
     weight gradient (10% slower there), and contiguous tiles pair along N only (two tiles along M may belong to two
     experts)."""
