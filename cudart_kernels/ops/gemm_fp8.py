@@ -218,7 +218,6 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
             split = _split_in_two(m, n, k, (bm, bn), props)
             if split:
                 (bm, bn), splits = split, 2
-                tiles_m = -(-m_all // bm)
     else:
         widths = [b for b in range(16, min(top, MAX_BN_MEMORY_BOUND) + 1, 16)
                   if max_stages(bm, b, budget, layout) >= 3]
