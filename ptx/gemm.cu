@@ -5,7 +5,8 @@
 // issuing wgmma m64nBNk16 on 128-byte-swizzled tiles. The epilogue writes the tile to shared memory (stmatrix,
 // in the TMA swizzle so that no two lanes of a warp hit one bank) and one thread per consumer stores it with TMA,
 // which overlaps the next tile's main loop. TMA zero-fills loads and clips stores outside the tensor, so every
-// M, N, K tail is handled in the kernel (A's boxes wholly past M are not loaded at all: tma_load_in_bounds).
+// M, N, K tail is handled in the kernel (the A and B boxes that cross M or N are loaded through edge maps of
+// exactly the rows left, and boxes wholly past them not at all: tma_load_rows).
 // Tiles run in a grouped order (GROUP_M cluster tiles along M at a time, runtime argument) so that the CTAs of a
 // wave share A and B panels in L2.
 //
@@ -36,7 +37,7 @@
 // 128-row tile there computes a second, mostly empty, row block.
 //
 // Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64, 128 or 192), BN (8..256, step 8), STAGES, EPI,
-// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST, STREAM_B, A_BOX.
+// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST, STREAM_B.
 #include "common/gemm_tiles.cuh"
 #include "common/memory.cuh"
 #include "common/wgmma_ops.cuh"
@@ -75,12 +76,6 @@ constexpr int CONSUMERS = BM / 64;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int OUT_BYTES = OUT_KIND == KIND_FP32 ? 4 : 2;
 constexpr int A_STAGE = BM * BK * 2;
-// Rows of A's TMA box: the tile, this CTA's half under MCAST 2, or 32 when M is not a multiple of BM, so that the
-// boxes wholly past M are skipped and the one across M fills fewer rows (tma_load_in_bounds).
-#ifndef A_BOX
-#define A_BOX (MCAST == 2 ? BM / 2 : BM)
-#endif
-static_assert((MCAST == 2 ? BM / 2 : BM) % A_BOX == 0, "A's box must divide the rows a CTA loads");
 constexpr int B_PANELS = (BN + 63) / 64;                   // [K, N] B: 64-column panels of BK rows
 constexpr int B_PANEL_BYTES = BK * 128;
 constexpr int B_STAGE = B_KN ? B_PANELS * B_PANEL_BYTES : BN * BK * 2;
@@ -167,12 +162,16 @@ __device__ __forceinline__ void chunk_to_smem(const float* acc, int j, u8* buf, 
 #endif
 }
 
-// tm_out: EPI_STORE the D map (out dtype), EPI_ACCUMULATE the fp32 D map, EPI_SPLIT the fp32 workspace map; all
-// with box {CH, 64} and swizzle CHUNK_ROW_BYTES (0 below 32). d / ld_d: D for the split-K finalisation; w / ld_w:
-// the workspace; c / ld_c: C (or null); counters: one int per 64-row slice of every tile, zero between launches;
-// group_m: cluster-tile rows per group of the tile order.
+// tm_a / tm_b: A and [N, K] B with boxes {BK, rows a CTA loads of a tile} (its half when shared), 128-byte
+// swizzle; [K, N] B: boxes {64, BK}. tm_a_edge / tm_b_edge: the same tensors with boxes of M (N) modulo those rows,
+// for the box across the last row (tma_load_rows; unused for [K, N] B). tm_out: EPI_STORE the D map (out dtype),
+// EPI_ACCUMULATE the fp32 D map, EPI_SPLIT the fp32 workspace map; all with box {CH, 64} and swizzle
+// CHUNK_ROW_BYTES (0 below 32). d / ld_d: D for the split-K finalisation; w / ld_w: the workspace; c / ld_c: C (or
+// null); counters: one int per 64-row slice of every tile, zero between launches; group_m: cluster-tile rows per
+// group of the tile order.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     const __grid_constant__ CUtensorMap_st tm_a, const __grid_constant__ CUtensorMap_st tm_b,
+    const __grid_constant__ CUtensorMap_st tm_a_edge, const __grid_constant__ CUtensorMap_st tm_b_edge,
     const __grid_constant__ CUtensorMap_st tm_out, void* d, i64 ld_d, float* w, i64 ld_w, const void* c_ptr,
     i64 ld_c, int* counters, int M, int N, int K, int splits, int group_m) {
   extern __shared__ u8 smem_raw[];
@@ -194,6 +193,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
   if (threadIdx.x == 0) {
     tma_prefetch_map(&tm_a);
     tma_prefetch_map(&tm_b);
+    tma_prefetch_map(&tm_a_edge);
+    tma_prefetch_map(&tm_b_edge);
     tma_prefetch_map(&tm_out);
   }
   pipeline_init<MCAST != 0>(full, empty, STAGES, CLUSTER * CONSUMERS * 4);
@@ -212,13 +213,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
         mbar_wait(&empty[s], phase ^ 1);
         u8* sa = smem + s * A_STAGE;
         u8* sb = smem + SMEM_B + s * B_STAGE;
-        mbar_arrive_expect_tx(&full[s], tile_bytes_in_bounds<A_BOX>(m0, BM, M) + B_STAGE);
-        tma_load_in_bounds<MCAST == 2, A_BOX>(sa, &tm_a, &full[s], kb * BK, m0, BM, M, rank);
+        // [K, N] B: panels wholly past N are not loaded
+        const int b_bytes = B_KN ? min(B_PANELS, max(0, (N - n0 + 63) / 64)) * B_PANEL_BYTES
+                                 : rows_in_bounds(n0, BN, N) * 128;
+        mbar_arrive_expect_tx(&full[s], rows_in_bounds(m0, BM, M) * 128 + b_bytes);
+        tma_load_rows<MCAST == 2>(sa, &tm_a, &tm_a_edge, &full[s], kb * BK, m0, BM, M, rank);
 #if B_KN
-        for (int p = 0; p < B_PANELS; ++p)
+        for (int p = 0; p * B_PANEL_BYTES < b_bytes; ++p)
           tma_load_2d<STREAM_B>(sb + p * B_PANEL_BYTES, &tm_b, &full[s], n0 + p * 64, kb * BK);
 #else
-        tma_load_operand<MCAST == 1, STREAM_B>(sb, &tm_b, &full[s], kb * BK, n0, BN, B_STAGE, rank);
+        tma_load_rows<MCAST == 1, STREAM_B>(sb, &tm_b, &tm_b_edge, &full[s], kb * BK, n0, BN, N, rank);
 #endif
         if (++s == STAGES) { s = 0; phase ^= 1; }
       }

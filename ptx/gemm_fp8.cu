@@ -8,8 +8,9 @@
 // N share A), stmatrix + TMA store epilogue. Per 128-deep k block (one scale block) a consumer runs four wgmma
 // m64nBNk32 into a scratch accumulator, waits for them, frees the stage and adds the scratch into its fp32 result
 // scaled by sA (per row) x sB (per 128 columns): FP8 wgmma keeps about 14 mantissa bits, so each scale block is summed
-// by the tensor cores and promoted to fp32 in registers. TMA zero-fills A, B and sA past M, N and K, except A's
-// boxes wholly past its rows, which are not loaded (tma_load_in_bounds: their rows are never stored).
+// by the tensor cores and promoted to fp32 in registers. TMA zero-fills sA past M and A and B past K; the A and B
+// boxes that cross the last row of their maps are loaded through edge maps of exactly the rows left, and boxes
+// wholly past them not at all (tma_load_rows: those rows are never stored).
 //
 // LAYOUT (`info` is a device int array):
 // - LAYOUT_NORMAL: one GEMM.
@@ -49,7 +50,7 @@
 // STREAM_B = 1 loads B with an evict-first L2 policy, as in gemm.cu.
 //
 // Compile-time parameters: BM (64, 128, 256), BN (16..256, step 16; 256 rows: up to 128), STAGES, MCAST, LAYOUT,
-// KSPLIT, STREAM_B, A_BOX.
+// KSPLIT, STREAM_B.
 #include "common/gemm_tiles.cuh"
 #include "common/wgmma_ops.cuh"
 
@@ -79,12 +80,6 @@ constexpr int HALVES = A_IN_REGS ? 2 : 1;  // column halves per k block (A from 
 constexpr int PART_N = BN / HALVES;        // columns of one wgmma (the scratch accumulator)
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int A_STAGE = BM * BK;
-// Rows of A's TMA box: the tile, this CTA's half under MCAST 2, or 64 when A's rows are not a multiple of BM, so
-// that the boxes wholly past them are skipped (tma_load_in_bounds).
-#ifndef A_BOX
-#define A_BOX (MCAST == 2 ? BM / 2 : BM)
-#endif
-static_assert((MCAST == 2 ? BM / 2 : BM) % A_BOX == 0, "A's box must divide the rows a CTA loads");
 constexpr int B_STAGE = BN * BK;
 constexpr int SA_STAGE = BM * 4;
 constexpr bool WGRAD = LAYOUT == LAYOUT_KGROUPED;
@@ -328,12 +323,15 @@ __device__ __forceinline__ bool row_writable(const Tile& t, int r, int group) {
   return t.m0 + r < t.rows;
 }
 
-// tm_a / tm_b: boxes {128, A_BOX} / {128, BN} (B: halves under multicast), 128-byte swizzle; tm_sa: the M-major
-// scales of A as a [K/128][M] fp32 tensor, box {BM, 1}; tm_sb (LAYOUT_KGROUPED): B's as [K/128][N], box {BN, 1};
+// tm_a / tm_b: boxes {128, rows a CTA loads of the tile} (halves when shared), 128-byte swizzle; tm_a_edge /
+// tm_b_edge: the same tensors with boxes of a group's rows of A (N) modulo those rows (tma_load_rows); tm_sa: the
+// M-major scales of A as a [K/128][M] fp32 tensor, box {BM, 1}; tm_sb (LAYOUT_KGROUPED): B's as [K/128][N], box
+// {BN, 1};
 // tm_d: D in bf16 (fp32 for LAYOUT_KGROUPED), box {CH, 64}, swizzle CH * OUT_BYTES. d / ld_d: D for the direct
 // writes. M, N, K: one group's GEMM (LAYOUT_CONTIGUOUS: M counts all rows; LAYOUT_KGROUPED: K counts all groups').
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
     const __grid_constant__ CUtensorMap_st tm_a, const __grid_constant__ CUtensorMap_st tm_b,
+    const __grid_constant__ CUtensorMap_st tm_a_edge, const __grid_constant__ CUtensorMap_st tm_b_edge,
     const __grid_constant__ CUtensorMap_st tm_sa, const __grid_constant__ CUtensorMap_st tm_sb,
     const __grid_constant__ CUtensorMap_st tm_d, const float* sb, i64 sb_group, i64 sb_row, i64 sb_col,
     const int* info, void* d, i64 ld_d, int M, int N, int K, int groups, int group_m) {
@@ -355,6 +353,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   if (threadIdx.x == 0) {
     tma_prefetch_map(&tm_a);
     tma_prefetch_map(&tm_b);
+    tma_prefetch_map(&tm_a_edge);
+    tma_prefetch_map(&tm_b_edge);
     tma_prefetch_map(&tm_sa);
     if (WGRAD) tma_prefetch_map(&tm_sb);
     tma_prefetch_map(&tm_d);
@@ -367,7 +367,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   if (wg == 0) {
     // ---- producer ----
     regs_decrease<PRODUCER_REGS>();
-    const int a_rows = LAYOUT == LAYOUT_MASKED ? groups * M : M;  // rows of A's (flattened) map
+    const int a_rows = LAYOUT == LAYOUT_MASKED ? groups * M : M;  // rows of A's and B's (flattened) maps
+    const int b_rows = LAYOUT == LAYOUT_MASKED || LAYOUT == LAYOUT_CONTIGUOUS ? groups * N : N;
     if (tid == 0) {  // one thread issues the loads
       int s = 0;
       u32 phase = 0;
@@ -376,12 +377,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
         if (t.skip) continue;
         for (int kb = t.kb0; kb < t.kb1; ++kb) {
           mbar_wait(&empty[s], phase ^ 1);
-          mbar_arrive_expect_tx(&full[s], tile_bytes_in_bounds<A_BOX>(t.a_row, BM, a_rows) + B_STAGE + SA_STAGE +
-                                              SB_BYTES);
-          tma_load_in_bounds<MCAST == 2, A_BOX>(smem + s * A_STAGE, &tm_a, &full[s], kb * BK, t.a_row, BM, a_rows,
-                                                rank);
-          tma_load_operand<MCAST == 1, STREAM_B>(smem + SMEM_B + s * B_STAGE, &tm_b, &full[s], kb * BK, t.b_row, BN,
-                                                B_STAGE, rank);
+          const int ab_rows = rows_in_bounds(t.a_row, BM, a_rows) + rows_in_bounds(t.b_row, BN, b_rows);
+          mbar_arrive_expect_tx(&full[s], ab_rows * 128 + SA_STAGE + SB_BYTES);
+          tma_load_rows<MCAST == 2>(smem + s * A_STAGE, &tm_a, &tm_a_edge, &full[s], kb * BK, t.a_row, BM, a_rows,
+                                    rank);
+          tma_load_rows<MCAST == 1, STREAM_B>(smem + SMEM_B + s * B_STAGE, &tm_b, &tm_b_edge, &full[s], kb * BK,
+                                              t.b_row, BN, b_rows, rank);
           tma_load_2d(smem + SMEM_SA + s * SA_STAGE, &tm_sa, &full[s], t.a_row, kb);
           if (WGRAD) tma_load_2d(smem + SMEM_SB + s * SB_STAGE, &tm_sb, &full[s], t.n0, kb);
           if (++s == STAGES) { s = 0; phase ^= 1; }

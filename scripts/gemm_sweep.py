@@ -38,7 +38,7 @@ def _configs(m, n, k, bm, props):
             smem = g.smem_bytes(bm, bn, stages, epi)
             for mc in {0, g.pick_multicast(m, n, bm, bn, sp, False, props)}:
                 yield g.GemmConfig(bm, bn, stages, sp, smem, mc, g.group_rows(m, n, bm, bn, mc, props),
-                                   g.streams_b(m, k, 2), g.a_box(m, bm, mc))
+                                   g.streams_b(m, k, 2))
 
 
 def defines(cfg):

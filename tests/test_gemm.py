@@ -102,28 +102,16 @@ def test_multicast_and_tile_order():
         assert (g.epilogue_chunk(bn, eb), g.epilogue_swizzle(bn, eb)) == (ch, swz), (bn, eb)
 
 
-def test_a_box():
-    """A's TMA box: the whole tile (or half under A-sharing pairs) for M a multiple of BM, else slices (32 rows for
-    BF16, 64 for FP8), so that the slices wholly past M are not loaded."""
-    none, share_a, share_b = g.MCAST_NONE, g.MCAST_SHARE_A, g.MCAST_SHARE_B
-    assert (g.a_box(4096, 128, none), g.a_box(4096, 128, share_a), g.a_box(4096, 256, share_a)) == (128, 64, 128)
-    assert (g.a_box(4100, 128, share_b), g.a_box(300, 128, share_a), g.a_box(129, 192, none)) == (32, 32, 32)
-    assert g.a_box(130, 192, share_a) == 32 and g.a_box(130, 192, share_a, 64) == 96  # 64 does not divide 96
-    assert g.a_box(17, 64, none) == 32 and g.a_box(17, 64, none, 64) == 64
-    ragged, aligned = g.pick_config(777, 1000, 4096, 2, H100), g.pick_config(768, 1000, 4096, 2, H100)
-    assert ragged.a_box == 32 and g._defines(dt.bfloat16, dt.bfloat16, ragged)["A_BOX"] == 32
-    assert "A_BOX" not in g._defines(dt.bfloat16, dt.bfloat16, aligned)  # the kernel's default: the whole tile
-    from cudart_kernels.ops import gemm_fp8 as f
-    ragged8 = f.pick_config(1000, 4096, 7168, H100)
-    assert ragged8.a_box == 64 == f._defines(ragged8)["A_BOX"]
-    shared_a = f.pick_config(160, 4096, 7168, H100)  # 128-row tiles paired along N: 32-row boxes
-    assert (shared_a.bm, shared_a.mcast, shared_a.a_box) == (128, g.MCAST_SHARE_A, 32)
-    shared_b = f.pick_config(160, 7168, 2048, H100)
-    assert (shared_b.bm, shared_b.mcast, shared_b.a_box) == (128, g.MCAST_SHARE_B, 64)
-    wide_split, narrow_split = f.pick_config(129, 2112, 7168, H100), f.pick_config(264, 512, 16384, H100)
-    assert (wide_split.bn, wide_split.splits, wide_split.a_box) == (96, 2, 32)
-    assert (narrow_split.bn, narrow_split.splits, narrow_split.a_box) == (48, 2, 64)
-    assert "A_BOX" not in f._defines(f.pick_config(4096, 7168, 16384, H100))
+def test_edge_maps():
+    """A CTA loads an operand tile as one box (half the tile when a pair shares it); the box across the last row
+    goes through an edge map of exactly the rows left (ptx/common tma_load_rows), or the main map where the rows
+    are a multiple of the box."""
+    assert (g.box_rows(128, False), g.box_rows(128, True), g.box_rows(256, True)) == (128, 64, 128)
+    a = (dt.bfloat16, (4096, 777), (8192,), (64, 128), 128, 256)
+    assert g.edge_map(a, 777) == (dt.bfloat16, (4096, 777), (8192,), (64, 9), 128, 256)
+    assert g.edge_map(a, 768) is a
+    grouped = (dt.float8_e4m3, (7168, 3 * 160), (7168,), (128, 64), 128)  # 3 groups of 160 rows: 160 % 64 = 32
+    assert g.edge_map(grouped, 160)[3] == (128, 32)
 
 
 def test_l2_promotion():

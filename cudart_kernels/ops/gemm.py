@@ -15,13 +15,12 @@ from ..runtime.launch import get_launcher
 from ..runtime.tensormap import AddressedMapCache
 
 BK = 64                      # k elements per pipeline stage (128 bytes: one 128-byte swizzle span)
-A_SLICE = 32                 # rows of A's TMA box when M is not a multiple of BM (`a_box`)
 ALIGN_SLACK = 1024           # the kernel aligns its dynamic shared memory to 1024 bytes
 _KIND = {dt.bfloat16: "KIND_BF16", dt.float16: "KIND_FP16", dt.float32: "KIND_FP32"}
 _INPUTS = (dt.bfloat16, dt.float16)
 _OUTPUTS = (dt.bfloat16, dt.float16, dt.float32)
-_ARGS = ("tmap", "tmap", "tmap", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i32", "i32", "i32", "i32",
-         "i32")
+_ARGS = ("tmap", "tmap", "tmap", "tmap", "tmap", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i32", "i32",
+         "i32", "i32", "i32")
 MAX_STAGES = 16
 MIN_SPLIT_STAGES = 3         # split-K configs keep at least this many stages
 MIN_KBLOCKS_PER_SPLIT = 4    # 256 k elements: below this the partial's reduce costs more than its math
@@ -107,7 +106,6 @@ class GemmConfig:
     mcast: int = MCAST_NONE  # 2-CTA cluster pairing tiles along M (sharing B) or along N (sharing A)
     group_m: int = 1         # cluster-tile rows per group of the tile order
     stream_b: bool = False   # B loaded with an evict-first L2 policy (`streams_b`)
-    a_box: int = 0           # rows of A's TMA box (`a_box`); 0: the whole tile, or this CTA's half under pairs
 
     @property
     def threads(self) -> int:
@@ -220,19 +218,19 @@ BM192_MAX_BN = 192
 BM192_SPLIT_MAX_BN = 160
 
 
-def a_box(m: int, bm: int, mcast: int, slice_rows: int = A_SLICE) -> int:
-    """Rows of A's TMA box: the whole tile (this CTA's half when pairs share A), or `slice_rows` when M is not a
-    multiple of BM, so that the boxes wholly past M are not loaded and the one across M fills fewer rows
-    (ptx/common tma_load_in_bounds: TMA's zero fill is slow). H100, same process, whole -> 32-row boxes: BF16
-    264x14336x3072 65.7 -> 54.1 us, 2000x2112x7168 97.4 -> 93.5 (64-row: no gain there), 777x1000x4096 22.4 ->
-    19.3. Aligned M keeps one box (8192^3 read 1.5% slower with 64-row ones; docs/perf-notes.md session 18)."""
-    whole = whole_a_box(bm, mcast)
-    return slice_rows if m % bm and whole > slice_rows and whole % slice_rows == 0 else whole
+def box_rows(tile_rows: int, shared: bool) -> int:
+    """The rows of an operand tile one CTA loads: all of them, or half when the pair shares the tile."""
+    return tile_rows // 2 if shared else tile_rows
 
 
-def whole_a_box(bm: int, mcast: int) -> int:
-    """The rows one CTA loads of a tile's A (half of them when pairs share A): the kernels' default A_BOX."""
-    return bm // 2 if mcast == MCAST_SHARE_A else bm
+def edge_map(layout: tuple, rows: int) -> tuple:
+    """The map of an operand's box across its last row (`rows` per group; ptx/common tma_load_rows): the same
+    tensor with a box of rows % box rows, so that TMA fills no row past the tensor: its zero fill is slow (FP8,
+    H100: 160x4096x7168 28.8 us with a half-filled box, 20.7 without; docs/perf-notes.md sessions 18-20). The
+    layout itself where rows are a multiple of the box (the kernel then never uses it)."""
+    dtype, dims, strides, box, *rest = layout
+    tail = rows % box[1]
+    return layout if tail == 0 else (dtype, dims, strides, (box[0], tail), *rest)
 
 
 def row_tile(m: int) -> int:
@@ -344,7 +342,7 @@ def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     stages = max_stages(bm, bn, epi, props.smem_per_block_optin, b_kn)
     mcast = pick_multicast(m, n, bm, bn, splits, b_kn, props) if MULTICAST else MCAST_NONE
     return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn), mcast,
-                      group_rows(m, n, bm, bn, mcast, props), streams_b(m, k, 2) and not b_kn, a_box(m, bm, mcast))
+                      group_rows(m, n, bm, bn, mcast, props), streams_b(m, k, 2) and not b_kn)
 
 
 def cluster_tiles(m: int, n: int, bm: int, bn: int, mcast: int) -> tuple[int, int]:
@@ -427,8 +425,6 @@ def _defines(in_dtype, out_dtype, cfg: GemmConfig, epi: str = "EPI_STORE", c_dty
         d["MCAST"] = cfg.mcast
     if cfg.stream_b:
         d["STREAM_B"] = 1
-    if cfg.a_box and cfg.a_box != whole_a_box(cfg.bm, cfg.mcast):
-        d["A_BOX"] = cfg.a_box
     return d
 
 
@@ -453,7 +449,7 @@ def variants():
         seen[tuple(sorted(d.items()))] = ("gemm.cu", "gemm_kernel", d, cfg.smem)
 
     rows_192 = [(192, 7168, 8192), (192, 7168, 2048), (384, 7168, 8192)]  # 192-row tiles: split, unsplit, pairs
-    ragged = [(777, 1000, 4096)]  # M not a multiple of the tile: 32-row A boxes
+    ragged = [(777, 1000, 4096)]  # M and N not multiples of the tile: edge maps
     for shapes in list(BENCH_SHAPES.values()) + [rows_192, ragged]:
         for m, n, k in shapes:
             for out in (dt.bfloat16, dt.float32):
@@ -528,6 +524,8 @@ class _Plan:
     grid: tuple
     map_a: tuple       # tensor-map layouts (dtype, dims, strides, box, swizzle, L2 promotion)
     map_b: tuple
+    map_a_edge: tuple  # the boxes across M and N (`edge_map`)
+    map_b_edge: tuple
     map_out: tuple
     ld_w: int
     n_counters: int
@@ -590,13 +588,14 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, props):
     it = av.dtype.itemsize
     ld_w = -(-n // 4) * 4
     cl_m, cl_n = cluster_tiles(m, n, cfg.bm, cfg.bn, cfg.mcast)
-    box = cfg.a_box or whole_a_box(cfg.bm, cfg.mcast)
-    map_a = (av.dtype, (k, m), (av.strides[0] * it,), (BK, box), 128, l2_promotion(cl_n, cfg.splits))
-    if b_kn:  # [K, N]: boxes of 64 N x 64 K, loaded panel by panel
-        map_b = (bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128, l2_promotion(cl_m, cfg.splits))
+    map_a = (av.dtype, (k, m), (av.strides[0] * it,), (BK, box_rows(cfg.bm, cfg.mcast == MCAST_SHARE_A)), 128,
+             l2_promotion(cl_n, cfg.splits))
+    if b_kn:  # [K, N]: boxes of 64 N x 64 K, loaded panel by panel (no edge map)
+        map_b = map_b_edge = (bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128, l2_promotion(cl_m, cfg.splits))
     else:
-        b_rows = cfg.bn // 2 if cfg.mcast == MCAST_SHARE_B else cfg.bn
-        map_b = (bv.dtype, (k, n), (bv.strides[0] * it,), (BK, b_rows), 128, l2_promotion(cl_m, cfg.splits))
+        map_b = (bv.dtype, (k, n), (bv.strides[0] * it,), (BK, box_rows(cfg.bn, cfg.mcast == MCAST_SHARE_B)), 128,
+                 l2_promotion(cl_m, cfg.splits))
+        map_b_edge = edge_map(map_b, n)
     epi_bytes = 4 if epi != "EPI_STORE" else dv.dtype.itemsize
     box_out = (epilogue_chunk(cfg.bn, epi_bytes), 64)
     swz = epilogue_swizzle(cfg.bn, epi_bytes)
@@ -605,8 +604,8 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, props):
     else:
         map_out = (dv.dtype, (n, m), (dv.strides[0] * dv.dtype.itemsize,), box_out, swz)
     workspace = epi == "EPI_SPLIT" or (epi == "EPI_ACCUMULATE" and det)
-    return _Plan(cfg, epi, launch, grid, map_a, map_b, map_out, ld_w, tiles * (cfg.bm // 64), workspace,
-                 c_dtype is not None)
+    return _Plan(cfg, epi, launch, grid, map_a, map_b, edge_map(map_a, m), map_b_edge, map_out, ld_w,
+                 tiles * (cfg.bm // 64), workspace, c_dtype is not None)
 
 
 def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, deterministic: bool = False,
@@ -670,6 +669,7 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
     c_ptr, ld_c = (cv.ptr, cv.strides[0]) if plan.uses_c else (0, 0)
     m, k = av.shape
     plan.launch(plan.grid, h, maps.get("a", plan.map_a, av.ptr), maps.get("b", plan.map_b, bv.ptr),
+                maps.get("a", plan.map_a_edge, av.ptr), maps.get("b", plan.map_b_edge, bv.ptr),
                 maps.get("out", plan.map_out, out_ptr), dv.ptr, dv.strides[0], w_ptr, plan.ld_w, c_ptr, ld_c,
                 counters, m, dv.shape[1], k, plan.cfg.splits, plan.cfg.group_m)
     return dv if out is None else out

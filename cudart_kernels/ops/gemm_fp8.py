@@ -18,16 +18,13 @@ from . import gemm as _gemm
 from .quantize import mmajor_stride
 
 BK = 128                 # k per stage: 128 e4m3 bytes, one scale block
-# Rows of A's TMA box when A's rows are not a multiple of BM (gemm.a_box): see `_a_slice`.
-A_SLICE = 64
-A_SLICE_FINE = 32
 MAX_BN = 256             # above 192 a k block runs as two column halves through one scratch set (A in registers)
 MAX_BN_MEMORY_BOUND = 192  # one wave of 256-wide tiles ran 10-25% slower than two of 128 (docs/perf-notes.md)
 MAX_STAGES = 12
 MIN_STAGES = 4  # the stage cap of pick_config never goes below this
 ALIGN_SLACK = 1024
-_ARGS = ("tmap", "tmap", "tmap", "tmap", "tmap", "ptr", "i64", "i64", "i64", "ptr", "ptr", "i64", "i32", "i32",
-         "i32", "i32", "i32")
+_ARGS = ("tmap", "tmap", "tmap", "tmap", "tmap", "tmap", "tmap", "ptr", "i64", "i64", "i64", "ptr", "ptr", "i64",
+         "i32", "i32", "i32", "i32", "i32")
 # ptx/gemm_fp8.cu LAYOUT values
 NORMAL, CONTIGUOUS, MASKED, KGROUPED = "LAYOUT_NORMAL", "LAYOUT_CONTIGUOUS", "LAYOUT_MASKED", "LAYOUT_KGROUPED"
 _CONVERT_ARGS = ("ptr", "i64", "i64", "ptr", "i64", "i32", "i32")
@@ -45,7 +42,6 @@ class Fp8Config:
     layout: str = NORMAL
     splits: int = 1                # split-K: a cluster of `splits` CTAs per tile, one K slice each
     stream_b: bool = False         # B loaded with an evict-first L2 policy (gemm.streams_b)
-    a_box: int = 0                 # rows of A's TMA box (gemm.a_box); 0: the whole tile, or its half under pairs
 
     @property
     def consumers(self) -> int:
@@ -236,22 +232,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         mcast = _gemm.pick_multicast(m_all, n, bm, bn, 1, False, props, share_b)
     group_m = _gemm.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     stream_b = layout == NORMAL and _gemm.streams_b(m, k, 1)
-    return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits, stream_b,
-                     _gemm.a_box(m, bm, mcast, _a_slice(bm, bn, mcast, splits)))
-
-
-def _a_slice(bm: int, bn: int, mcast: int, splits: int) -> int:
-    """Rows of A's box where M is ragged: 32 where the rows that TMA zero-fills in the box across M cost more
-    than a second box per stage, else 64. H100, same process, 64 -> 32 (docs/perf-notes.md sessions 18-19):
-    - 128-row tiles paired along N (64 rows a CTA): 1.04-1.25x at M 129..264 (129x4096x7168 24.5 -> 20.0 us),
-      never below 0.993x on 41 shapes;
-    - split-K tiles of 64+ columns: 1.03-1.23x on 10 of 13 shapes (129x2112x7168 17.1 -> 13.9), 0.986-0.994x on
-      the rest;
-    - but 128-row tiles paired along M (four boxes a stage) lost 3-14%, narrower split tiles 9-16%
-      (264x512x16384, 64 x 48: 17.8 -> 20.6), and full ragged tiles of other configs 0.2-0.9%
-      (4000x7168x16384 732.6 vs 738.0)."""
-    fine = (bm == 128 and mcast == _gemm.MCAST_SHARE_A) or (splits > 1 and bn >= 64)
-    return A_SLICE_FINE if fine else A_SLICE
+    return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits, stream_b)
 
 
 def _defines(cfg: Fp8Config) -> dict:
@@ -264,8 +245,6 @@ def _defines(cfg: Fp8Config) -> dict:
         d["KSPLIT"] = cfg.splits
     if cfg.stream_b:
         d["STREAM_B"] = 1
-    if cfg.a_box and cfg.a_box != _gemm.whole_a_box(cfg.bm, cfg.mcast):
-        d["A_BOX"] = cfg.a_box
     return d
 
 
@@ -417,6 +396,8 @@ class _Plan:
     grid: tuple
     map_a: tuple
     map_b: tuple
+    map_a_edge: tuple  # the boxes across the last row of A and B (gemm.edge_map)
+    map_b_edge: tuple
     map_sa: tuple
     map_sb: tuple   # KGROUPED: B's scales; otherwise None (the sA map is passed in its place, unused)
     map_d: tuple
@@ -448,8 +429,8 @@ def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, props) -> 
     else:
         grid = _gemm.persistent_grid(launch, m_all, n, cfg.bm, cfg.bn, cfg.mcast, 1, cfg.smem, props)
     kb = -(-k // 128)
-    a_box = cfg.a_box or _gemm.whole_a_box(cfg.bm, cfg.mcast)
-    b_box = cfg.bn // 2 if cfg.mcast == _gemm.MCAST_SHARE_B else cfg.bn
+    a_box = _gemm.box_rows(cfg.bm, cfg.mcast == _gemm.MCAST_SHARE_A)
+    b_box = _gemm.box_rows(cfg.bn, cfg.mcast == _gemm.MCAST_SHARE_B)
     map_a = (dt.float8_e4m3, (k, av.shape[0]), (av.strides[0],), (BK, a_box), 128)
     map_b = (dt.float8_e4m3, (k, bv.shape[0]), (bv.strides[0],), (BK, b_box), 128)
     sa = _mmajor_plan(sav, av.device)
@@ -461,7 +442,9 @@ def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, props) -> 
     ob = _out_bytes(layout)
     ch = _chunk(cfg.bn, ob)
     map_d = (dt.float32 if ob == 4 else dt.bfloat16, (n, dv.shape[0]), (dv.strides[0] * ob,), (ch, 64), ch * ob)
-    return _Plan(cfg, launch, grid, map_a, map_b, map_sa, map_sb, map_d, sa, sb, (m, n, k, groups))
+    # m / n: the rows of a group of A / B (the maps' row counts are multiples of them): their boxes across the end
+    return _Plan(cfg, launch, grid, map_a, map_b, _gemm.edge_map(map_a, m), _gemm.edge_map(map_b, n), map_sa, map_sb,
+                 map_d, sa, sb, (m, n, k, groups))
 
 
 def _run(layout, av, sav, bv, sbv, dv, sb_strides, info_ptr, m, n, k, groups, max_bm, extra_key, h, stream):
@@ -481,7 +464,8 @@ def _run(layout, av, sav, bv, sbv, dv, sb_strides, info_ptr, m, n, k, groups, ma
         map_sb = maps.get("sb8", plan.map_sb, _mmajor_ptr(plan.sb, sbv, "sb", h, stream))
     else:
         map_sb = map_sa
-    plan.launch(plan.grid, h, maps.get("a8", plan.map_a, av.ptr), maps.get("b8", plan.map_b, bv.ptr), map_sa,
+    plan.launch(plan.grid, h, maps.get("a8", plan.map_a, av.ptr), maps.get("b8", plan.map_b, bv.ptr),
+                maps.get("a8", plan.map_a_edge, av.ptr), maps.get("b8", plan.map_b_edge, bv.ptr), map_sa,
                 map_sb, maps.get("d8", plan.map_d, dv.ptr), sbv.ptr, *sb_strides, info_ptr, dv.ptr,
                 dv.strides[0], *plan.args, plan.cfg.group_m)
 

@@ -155,42 +155,29 @@ __device__ __forceinline__ void producer_finish(u64* empty, int s, u32 phase, in
   }
 }
 
-// Load a BM- or BN-row operand tile of one k block: whole, or (SHARED, a tile both CTAs of a pair use) this CTA's
-// half, multicast to both. `tile_bytes` is the whole tile's size in shared memory. EVICT_FIRST: see l2_evict_first.
+// One k block of an operand tile of `rows` 128-byte rows from row `row0` of a map with `row_end` rows, as one box
+// per CTA: the whole tile, or (SHARED, a tile both CTAs of a pair use) this CTA's half, multicast to both. A box
+// that crosses row_end is loaded through `edge`, a map of the same tensor whose box is exactly the rows left there
+// (the host sizes it: every such box starts at a multiple of the box from the start of a group of row_end's
+// period), and a box wholly past row_end is not issued. So TMA never fills rows past the tensor, which it does
+// slowly (FP8, H100: 160x4096x7168 28.8 us with half the second tile's box filled, 20.7 without; docs/perf-notes.md
+// sessions 18-20). Rows not loaded keep stale bytes: they reach only accumulator rows (A) or columns (B) past the
+// tensor, which are never stored. `rows_in_bounds(...) * 128` bytes land in each CTA.
+__device__ __forceinline__ int rows_in_bounds(int row0, int rows, int row_end) {
+  return min(rows, max(0, row_end - row0));
+}
+
 template <bool SHARED, bool EVICT_FIRST = false>
-__device__ __forceinline__ void tma_load_operand(u8* dst, const CUtensorMap_st* map, u64* bar, int k0, int row0,
-                                                 int rows, int tile_bytes, u32 rank) {
+__device__ __forceinline__ void tma_load_rows(u8* dst, const CUtensorMap_st* map, const CUtensorMap_st* edge,
+                                              u64* bar, int k0, int row0, int rows, int row_end, u32 rank) {
+  const int box = SHARED ? rows / 2 : rows;
+  const int first = row0 + (SHARED ? int(rank) * box : 0);
+  if (first >= row_end) return;
+  const CUtensorMap_st* m = first + box <= row_end ? map : edge;
   if constexpr (SHARED) {
-    tma_load_2d_multicast<EVICT_FIRST>(dst + rank * (tile_bytes / 2), map, bar, k0, row0 + rank * (rows / 2), 3);
+    tma_load_2d_multicast<EVICT_FIRST>(dst + (first - row0) * 128, m, bar, k0, first, 3);
   } else {
-    tma_load_2d<EVICT_FIRST>(dst, map, bar, k0, row0);
-  }
-}
-
-// A tile of `rows` 128-byte rows loaded as boxes of SLICE rows (the map's box), skipping the boxes that start at or
-// past `row_end`, the map's row count: TMA fills a box that lies past the tensor with zeros, but slowly (FP8,
-// H100: 160x4096x7168 28.8 us with the second tile's upper half loaded past M, 20.7 without, the same as with A
-// padded to 256 real rows; docs/perf-notes.md session 18). A skipped box keeps stale bytes in shared memory;
-// they only reach accumulator rows past the tensor's end, which are never stored. SHARED: this CTA loads its half
-// of the boxes and multicasts them to both CTAs of the pair. `tile_bytes_in_bounds` is what lands in each CTA.
-template <int SLICE>
-__device__ __forceinline__ int tile_bytes_in_bounds(int row0, int rows, int row_end) {
-  const int in = min(rows, max(0, row_end - row0));
-  return (in + SLICE - 1) / SLICE * SLICE * 128;
-}
-
-template <bool SHARED, int SLICE>
-__device__ __forceinline__ void tma_load_in_bounds(u8* dst, const CUtensorMap_st* map, u64* bar, int k0, int row0,
-                                                   int rows, int row_end, u32 rank) {
-  const int first = SHARED ? int(rank) * (rows / 2) : 0, end = SHARED ? first + rows / 2 : rows;
-#pragma unroll
-  for (int r = first; r < end; r += SLICE) {
-    if (row0 + r >= row_end) break;
-    if constexpr (SHARED) {
-      tma_load_2d_multicast(dst + r * 128, map, bar, k0, row0 + r, 3);
-    } else {
-      tma_load_2d(dst + r * 128, map, bar, k0, row0 + r);
-    }
+    tma_load_2d<EVICT_FIRST>(dst, m, bar, k0, first);
   }
 }
 
