@@ -233,6 +233,12 @@ def edge_map(layout: tuple, rows: int) -> tuple:
     return layout if tail == 0 else (dtype, dims, strides, (box[0], tail), *rest)
 
 
+def operand_maps(maps: AddressedMapCache, role: str, layout: tuple, edge_layout: tuple, address: int) -> tuple:
+    """An operand's main and edge tensor maps (one cache lookup where the rows need no edge box)."""
+    main = maps.get(role, layout, address)
+    return main, main if edge_layout is layout else maps.get(role, edge_layout, address)
+
+
 def row_tile(m: int) -> int:
     """BM of the unsplit tiles: 64 for M <= 64, 192 where 128 would pad M to a mostly empty extra row block."""
     if m <= 64:
@@ -668,8 +674,9 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
     out_ptr = w_ptr if plan.epi == "EPI_SPLIT" else dv.ptr
     c_ptr, ld_c = (cv.ptr, cv.strides[0]) if plan.uses_c else (0, 0)
     m, k = av.shape
-    plan.launch(plan.grid, h, maps.get("a", plan.map_a, av.ptr), maps.get("b", plan.map_b, bv.ptr),
-                maps.get("a", plan.map_a_edge, av.ptr), maps.get("b", plan.map_b_edge, bv.ptr),
-                maps.get("out", plan.map_out, out_ptr), dv.ptr, dv.strides[0], w_ptr, plan.ld_w, c_ptr, ld_c,
-                counters, m, dv.shape[1], k, plan.cfg.splits, plan.cfg.group_m)
+    map_a, map_a_edge = operand_maps(maps, "a", plan.map_a, plan.map_a_edge, av.ptr)
+    map_b, map_b_edge = operand_maps(maps, "b", plan.map_b, plan.map_b_edge, bv.ptr)
+    plan.launch(plan.grid, h, map_a, map_b, map_a_edge, map_b_edge, maps.get("out", plan.map_out, out_ptr), dv.ptr,
+                dv.strides[0], w_ptr, plan.ld_w, c_ptr, ld_c, counters, m, dv.shape[1], k, plan.cfg.splits,
+                plan.cfg.group_m)
     return dv if out is None else out

@@ -464,8 +464,9 @@ def _run(layout, av, sav, bv, sbv, dv, sb_strides, info_ptr, m, n, k, groups, ma
         map_sb = maps.get("sb8", plan.map_sb, _mmajor_ptr(plan.sb, sbv, "sb", h, stream))
     else:
         map_sb = map_sa
-    plan.launch(plan.grid, h, maps.get("a8", plan.map_a, av.ptr), maps.get("b8", plan.map_b, bv.ptr),
-                maps.get("a8", plan.map_a_edge, av.ptr), maps.get("b8", plan.map_b_edge, bv.ptr), map_sa,
+    map_a, map_a_edge = _gemm.operand_maps(maps, "a8", plan.map_a, plan.map_a_edge, av.ptr)
+    map_b, map_b_edge = _gemm.operand_maps(maps, "b8", plan.map_b, plan.map_b_edge, bv.ptr)
+    plan.launch(plan.grid, h, map_a, map_b, map_a_edge, map_b_edge, map_sa,
                 map_sb, maps.get("d8", plan.map_d, dv.ptr), sbv.ptr, *sb_strides, info_ptr, dv.ptr,
                 dv.strides[0], *plan.args, plan.cfg.group_m)
 
