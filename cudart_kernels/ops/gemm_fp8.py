@@ -181,7 +181,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     a multiple of 16 up to MAX_BN_MEMORY_BOUND (or N rounded up to 16) with the fewest waves, then the fullest
     last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_small_m`). Either
     way, a 2-way split-K over 2-CTA clusters where it streams much less per CTA and, for several rows of tiles,
-    where the tiles would leave half the SMs idle (`_split_in_two`). Stages fill the shared-memory budget, up to one tile's k blocks (at least MIN_STAGES). Pairs and tile order as for
+    where the tiles would leave half the SMs idle (`_split_in_two`). Stages fill the shared-memory budget, up to
+    one tile's k blocks (at least MIN_STAGES). Pairs and tile order as for
     the BF16 GEMM, but no pairs with a single row of tiles (sharing A there saved nothing and cost 3-8%) or for the
     weight gradient (10% slower there), and contiguous tiles pair along N only (two tiles along M may belong to two
     experts)."""
@@ -274,7 +275,7 @@ def _bench_configs(props):
 
 def variants():
     """Every kernel variant the heuristic picks for the benchmark shapes, and for two M that are not multiples of
-    the tile (64-row A boxes)."""
+    the tile (the edge maps' shapes; their picks differ from the bench's)."""
     from ..runtime.driver import H100
 
     seen = {}
