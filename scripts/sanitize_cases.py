@@ -42,14 +42,14 @@ assert np.abs(acc.numpy() - ref).max() < 1e-2 * np.abs(ref).max()
 # Decode kernel (M <= 16; forced on for this small N and K), with tails in M, N and K and with C.
 from cudart_kernels.ops import gemm as g  # noqa: E402
 
-saved = g.DECODE_MIN_K, g.DECODE_MIN_FILL
-g.DECODE_MIN_K, g.DECODE_MIN_FILL = 1, 0
+saved = g.DECODE_MIN_K, g.DECODE_MIN_FILL, g.DECODE_MAX_FILL, g.DECODE_MAX_A_BYTES
+g.DECODE_MIN_K, g.DECODE_MIN_FILL, g.DECODE_MAX_FILL, g.DECODE_MAX_A_BYTES = 1, 0, float("inf"), float("inf")
 for kw in ({}, {"c": c_small}):
     d = ck.gemm(a_small, b_small, out_dtype="float32", **kw)
     want = ref[:13, :120] + (c_small.numpy() if kw else 0)
     assert np.abs(d.numpy() - want).max() < 1e-2 * np.abs(want).max(), kw
 assert any(isinstance(p, g._DecodePlan) for p in g._plans.values())
-g.DECODE_MIN_K, g.DECODE_MIN_FILL = saved
+g.DECODE_MIN_K, g.DECODE_MIN_FILL, g.DECODE_MAX_FILL, g.DECODE_MAX_A_BYTES = saved
 g._plans.clear()
 # B with the evict-first L2 policy (forced on for this short K), unsplit and split, 100 rows
 saved = g.STREAM_B_MIN_ROW_BYTES

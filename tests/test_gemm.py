@@ -42,11 +42,15 @@ def test_config_choices():
     # a wave of 66 pairs covers about 8 x 8 pairs
     assert (cfg.mcast, cfg.cluster, cfg.group_m) == (g.MCAST_SHARE_B, 2, 8)
     assert g.pick_config(16, 4096, 8192, 2, H100).bm == 64  # small M: one consumer warpgroup
+    # M <= 64: unsplit tiles of 32+ columns on 70% of the SMs or more stream B faster than splits (16x4096x8192
+    # 64 x 32 unsplit 25.1 us, 64 x 192 x 6 26.6; 16x3072x16384 38.0 / 52.8); 16-column tiles never count as
+    # filling (64x2112x16384: 132 of them 36.6 us, 64 x 96 x 6 27.4), nor do 80 32-column tiles (16x2560x16384)
+    assert tuple(g.pick_config(16, 4096, 8192, 2, H100).__dict__.values())[:4] == (64, 32, 16, 1)
+    assert g.pick_config(16, 3072, 16384, 2, H100).splits == 1
+    assert g.pick_config(64, 2112, 16384, 2, H100).splits > 1
+    assert g.pick_config(16, 2560, 16384, 2, H100).splits > 1
     # Among near-equal estimates, a grid of units that fills the SMs beats a wider tile that leaves SMs idle:
-    # 16x4096x8192 64x192 x 6 (132 units), not x 4 (88 units); 256x512x65536 128x128 x 16 (128 units), not 128x192
-    # x 16 (96 units)
-    cfg = g.pick_config(16, 4096, 8192, 2, H100)
-    assert (cfg.bn, cfg.splits) == (192, 6)
+    # 256x512x65536 128x128 x 16 (128 units), not 128x192 x 16 (96 units)
     cfg = g.pick_config(256, 512, 65536, 2, H100)
     assert (cfg.bn, cfg.splits) == (128, 16)
     # 512x512x65536: 128 x 256 tiles, 16 splits, pairs along M (61.5 us against 66.5 for 128 x 192 x 11)
@@ -347,14 +351,25 @@ def test_192_row_tiles(rng, shape):
 # ---- decode path (M <= 16): ptx/gemm_decode.cu --------------------------------------------------------------------
 
 def test_decode_choices():
+    assert g.pick_decode(16, 1280, 4096, H100) == g.DecodeConfig(2, 16)     # 80 CTAs of 16 rows
+    assert g.pick_decode(1, 2112, 16384, H100) == g.DecodeConfig(2, 16)     # 132 CTAs; A is 32 KB
+    assert g.pick_decode(8, 2048, 8192, H100) == g.DecodeConfig(2, 16)      # A at the 128 KB limit
+    # None: M > 16; too few CTAs; short K; A of 256 KB or more read by every CTA (16x1280x8192: the split wgmma
+    # kernel 11.5 us, decode 11.8); more than one 16-row CTA per SM (16x4096x8192: unsplit 64 x 32 wgmma tiles)
+    for shape in ((17, 1280, 4096), (16, 1024, 8192), (16, 7168, 2048), (16, 32768, 512), (16, 1280, 8192),
+                  (16, 4096, 8192), (1, 7168, 16384)):
+        assert g.pick_decode(*shape, H100) is None, shape
+    assert g.pick_decode(16, 1280, 4096, H100, split_k=1) is None          # a forced split runs the wgmma kernel
+    assert g.pick_decode(16, 1280, 4096, H100, b_kn=True) is None
+
+
+def test_decode_grid_past_one_cta_per_sm(monkeypatch):
+    """With DECODE_MAX_FILL lifted: 32-row CTAs once they fill the SMs, 8 warps (two CTAs a SM) past one wave."""
+    monkeypatch.setattr(g, "DECODE_MAX_FILL", float("inf"))
+    monkeypatch.setattr(g, "DECODE_MAX_A_BYTES", float("inf"))
     assert g.pick_decode(16, 4096, 8192, H100) == g.DecodeConfig(4, 16)     # 128 CTAs of 32 rows
-    assert g.pick_decode(16, 1280, 8192, H100) == g.DecodeConfig(2, 16)     # 80 CTAs of 16 rows
     assert g.pick_decode(1, 7168, 16384, H100) == g.DecodeConfig(4, 8)      # 224 CTAs: two per SM
     assert g.pick_decode(16, 3000, 8192, H100) == g.DecodeConfig(2, 8)
-    for shape in ((17, 4096, 8192), (16, 1024, 8192), (16, 7168, 2048), (16, 32768, 512)):
-        assert g.pick_decode(*shape, H100) is None, shape
-    assert g.pick_decode(16, 4096, 8192, H100, split_k=1) is None          # a forced split runs the wgmma kernel
-    assert g.pick_decode(16, 4096, 8192, H100, b_kn=True) is None
 
 
 @pytest.fixture
@@ -362,6 +377,8 @@ def decode_everywhere(monkeypatch):
     """Route every M <= 16 shape with B as [N, K] to the decode kernel, short K and small N included."""
     monkeypatch.setattr(g, "DECODE_MIN_K", 1)
     monkeypatch.setattr(g, "DECODE_MIN_FILL", 0)
+    monkeypatch.setattr(g, "DECODE_MAX_FILL", float("inf"))
+    monkeypatch.setattr(g, "DECODE_MAX_A_BYTES", float("inf"))
     g._plans.clear()
     yield
     g._plans.clear()
@@ -394,7 +411,7 @@ def test_decode_c_added_and_accumulate_in_place(rng, decode_everywhere, c_dtype)
 
 @pytest.mark.gpu
 def test_decode_is_bitwise_stable_and_split_k_forces_the_wgmma_kernel(rng):
-    m, n, k = 16, 1280, 8192
+    m, n, k = 16, 1280, 4096
     assert g.pick_decode(m, n, k, g.device_properties(0)) is not None
     a, b = _rand(rng, (m, k), "bf16"), _rand(rng, (n, k), "bf16")
     da, db = DeviceArray.from_numpy(a), DeviceArray.from_numpy(b)

@@ -25,8 +25,14 @@ MAX_STAGES = 16
 MIN_SPLIT_STAGES = 3         # split-K configs keep at least this many stages
 MIN_KBLOCKS_PER_SPLIT = 4    # 256 k elements: below this the partial's reduce costs more than its math
 MAX_SPLITS = 128
-SPLIT_BELOW_FILL = 0.75      # M <= 64: no split when 64-wide tiles busy this share of the SMs (64x7168x16384:
-                             # 112 tiles, measured 63 us unsplit, 67-74 us split)
+# M <= 64 (one consumer, B streamed once): no split when the unsplit tiles are NARROW_MIN_BN or more columns wide
+# and busy SPLIT_BELOW_FILL of the SMs. Since the A boxes load only M's rows (edge maps), such a grid streams B
+# faster than the splits: H100, same process, unsplit / split pick / decode kernel, us: 16x3072x16384 37.7 / 52.8 /
+# 52.7, 64x4096x8192 26.1 / 27.2, 16x7168x16384 81.0 / 90.3 / 90.3; at 61% of the SMs (16x2560x16384: 80 tiles)
+# it lost. 16-column tiles stream slowly even on a full grid (64x2112x16384: 132 tiles 37.7 us; 64 x 64 x 4
+# splits 27.1; cuBLAS 30.4), so they always go through the split search (docs/perf-notes.md, session 21).
+SPLIT_BELOW_FILL = 0.7
+NARROW_MIN_BN = 32
 MULTICAST = True             # let the heuristic pair CTAs in 2-CTA clusters (scripts turn it off to compare)
 MCAST_NONE, MCAST_SHARE_B, MCAST_SHARE_A = 0, 1, 2  # ptx/gemm.cu MCAST
 
@@ -52,16 +58,20 @@ _CLOSE = 1.05                  # estimates this close to the best: take the wide
 # maps, cluster sync) overlaps the previous kernel's tail in the stream; it waits for it before touching memory.
 PDL = True
 
-# Decode-shaped GEMMs (M <= DECODE_MAX_M, B as [N, K], long K, split_k left to the heuristic) run
-# ptx/gemm_decode.cu: each CTA streams 8 * G rows of B over the whole of K with mma.sync, its warps splitting K and
-# summing in shared memory; no split-K workspace or counters. Measured against the split-K wgmma kernel (H100,
-# docs/perf-notes.md, session 15): 16x4096x8192 26.9 vs 28.8 us, 16x2112x7168 14.6 vs 24.8, 16x7168x16384 85.7 vs
-# 89.0, 16x1280x8192 11.7 vs 12.0; it loses where K is short (16x7168x2048 14.6 vs 13.1, 16x32768x512 16.7 vs
-# 14.7) or N small (16x512x8192 8.1 vs 7.4: too few CTAs).
+# Decode-shaped GEMMs (M <= DECODE_MAX_M, B as [N, K], split_k left to the heuristic) run ptx/gemm_decode.cu:
+# each CTA streams 8 * G rows of B over the whole of K with mma.sync, its warps splitting K and summing in shared
+# memory; no split-K workspace or counters. Every CTA also reads all of A, so the kernel pays where A is small
+# against its share of B. H100, same process, decode / the wgmma kernel's pick, us (docs/perf-notes.md, sessions
+# 15 and 21): 16x1280x4096 7.3 / 7.9, 1x2112x16384 26.6 / 28.5, 8x2048x5120 10.9 / 11.5; but 16x1280x16384 21.4 /
+# 18.8 and 16x2112x16384 31.8 / 28.1 (A read by every CTA: 512 KB each), short K (16x7168x2048 14.6 / 13.1), few
+# CTAs (16x512x8192 8.1 / 7.4), and more than one CTA per SM, where the wgmma kernel's unsplit 32-column tiles
+# fill the GPU (16x3072x16384 48.2 / 38.0, 16x4096x8192 26.8 / 25.1).
 DECODE = True                # scripts turn it off to compare with the wgmma kernel
 DECODE_MAX_M = 16
 DECODE_MIN_K = 4096
-DECODE_MIN_FILL = 0.6        # 16-row CTAs must busy this share of the SMs
+DECODE_MIN_FILL = 0.6        # 16-row CTAs must busy this share of the SMs ...
+DECODE_MAX_FILL = 1.0        # ... and at most this share
+DECODE_MAX_A_BYTES = 128 << 10  # A (M x K, 16-bit) that every CTA reads
 _DECODE_ARGS = ("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "i32", "i32", "i32")
 
 
@@ -77,12 +87,14 @@ class DecodeConfig:
 
 
 def pick_decode(m: int, n: int, k: int, props: DeviceProperties, split_k=None, b_kn: bool = False):
-    """The decode kernel's config, or None where the wgmma kernel is the better (or the only) choice. 32-row CTAs
+    """The decode kernel's config, or None where the wgmma kernel is the better (or the only) choice (the limits
+    above: within them it is always 16-row CTAs of 16 warps). Past DECODE_MAX_FILL (tests lift it): 32-row CTAs
     once they cover FULL_GRID of the SMs, else 16-row; 16 warps while the grid fits one CTA per SM, else 8 (two
     fit per SM). Measured (H100, same process): 16x4096x8192 G4 x 16 warps 26.9 us, G2 x 8 28.0, G8 x 8 32.8;
     16x1280x8192 G2 x 16 11.7, G4 x 16 15.7, G1 x 16 17.3."""
     if (not DECODE or m > DECODE_MAX_M or b_kn or split_k is not None or k < DECODE_MIN_K
-            or -(-n // 16) < DECODE_MIN_FILL * props.sm_count):
+            or 2 * m * k > DECODE_MAX_A_BYTES
+            or not DECODE_MIN_FILL * props.sm_count <= -(-n // 16) <= DECODE_MAX_FILL * props.sm_count):
         return None
     g = 4 if -(-n // 32) >= FULL_GRID * props.sm_count else 2
     return DecodeConfig(g, 16 if -(-n // (8 * g)) <= props.sm_count else 8)
@@ -328,10 +340,7 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     else:
         splits = 1
     bn0 = no_split()
-    # A single-consumer (M <= 64) grid whose 64-wide tiles already busy most SMs streams at DRAM speed unsplit.
-    small_m_fills = bm == 64 and -(-n // max(64, bn0)) >= SPLIT_BELOW_FILL * props.sm_count
-    if (split_k is None and -(-m // bm) * -(-n // bn0) < props.sm_count and not small_m_fills
-            and k_blocks >= 2 * MIN_KBLOCKS_PER_SPLIT):
+    if split_k is None and not unsplit_fills(m, n, bm, bn0, props) and k_blocks >= 2 * MIN_KBLOCKS_PER_SPLIT:
         _, bm, bn, splits = choose_split(split_candidates(m, n, k, bm, bn0, b_kn, props), m, n, props)
     elif splits > 1:  # forced count: fewest waves of units, then the larger tile
         fits = [b for b in _bn_candidates(n) if _bn_fits(bm, b, splits) and max_stages(bm, b, 4, budget, b_kn) >= 2]
@@ -339,6 +348,15 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     else:
         bn = bn0
     return make_config(m, n, k, out_bytes, props, bm, bn, splits, accumulate, b_kn)
+
+
+def unsplit_fills(m: int, n: int, bm: int, bn: int, props: DeviceProperties) -> bool:
+    """Whether BM x BN tiles keep the GPU busy without split-K: a wave of them, or for M <= 64 (a single
+    consumer streaming B) tiles of NARROW_MIN_BN or more columns on SPLIT_BELOW_FILL of the SMs."""
+    tiles = -(-m // bm) * -(-n // bn)
+    if bm == 64:
+        return bn >= NARROW_MIN_BN and tiles >= SPLIT_BELOW_FILL * props.sm_count
+    return tiles >= props.sm_count
 
 
 def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, bm: int, bn: int, splits: int,
@@ -443,8 +461,8 @@ BENCH_SHAPES = {
 
 
 def variants():
-    """Every kernel variant the heuristic picks for the benchmark shapes, three 192-row shapes and one M that is
-    not a multiple of the tile (bf16 in; bf16 and fp32 out; plain, split-K, deterministic split-K, accumulate into
+    """Every kernel variant the heuristic picks for the benchmark shapes, three 192-row shapes, one M that is
+    not a multiple of the tile and one decode shape (bf16 in; bf16 and fp32 out; plain, split-K, deterministic split-K, accumulate into
     fp32 D)."""
     from ..runtime.driver import H100
 
@@ -456,7 +474,8 @@ def variants():
 
     rows_192 = [(192, 7168, 8192), (192, 7168, 2048), (384, 7168, 8192)]  # 192-row tiles: split, unsplit, pairs
     ragged = [(777, 1000, 4096)]  # M and N not multiples of the tile: edge maps
-    for shapes in list(BENCH_SHAPES.values()) + [rows_192, ragged]:
+    decode = [(16, 1280, 4096)]   # the decode kernel (no benchmark shape picks it)
+    for shapes in list(BENCH_SHAPES.values()) + [rows_192, ragged, decode]:
         for m, n, k in shapes:
             for out in (dt.bfloat16, dt.float32):
                 cfg = pick_config(m, n, k, out.itemsize, H100)
