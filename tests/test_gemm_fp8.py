@@ -69,6 +69,17 @@ def test_config_choices():
     assert f.pick_config(128, 7168, 2048, H100).splits == 1
     assert f.pick_config(64, 7168, 16384, H100).splits == 1
     assert f.pick_config(64, 7168, 16384, H100).bm == 64
+    # ... nor where one row of tiles of 32+ columns busies 80% of the SMs (M >= 8): 64x4096x7168 64 x 32 x 128
+    # tiles (13.0 us against 14.1 split); 128x7168x4096 128 x 64 (14.3 against 17.0); M = 4 still splits
+    assert tile_and_splits(f.pick_config(64, 4096, 7168, H100)) == (64, 32, 1)
+    assert tile_and_splits(f.pick_config(128, 7168, 4096, H100)) == (128, 64, 1)
+    assert tile_and_splits(f.pick_config(4, 4096, 7168, H100)) == (64, 64, 2)
+    # B of 32-64 MB splits where the unsplit tiles are narrower than 48 columns (16x3072x16384: 64 x 32 x 96
+    # tiles, 23.6 us -> 64 x 48 x 2, 21.1) or leave half the SMs idle (136x2112x16384: 37.2 -> 22.2), not
+    # otherwise (32x4864x9728: 64 x 48 unsplit 19.8, split 21.4)
+    assert tile_and_splits(f.pick_config(16, 3072, 16384, H100)) == (64, 48, 2)
+    assert f.pick_config(136, 2112, 16384, H100).splits == 2
+    assert f.pick_config(32, 4864, 9728, H100).splits == 1
     # Tiles of several rows that fill at most half the SMs split in two as well: 192 x 1536 x 7168 runs 2 x 24
     # tiles of 128 x 64 (192 rows of 7168 a CTA) -> 64 x 80 tiles, two K halves (3 x 20 x 2 units, 144 rows of
     # 3584); 240 x 2112 x 7168 -> 128 x 64 x 2 (2 x 33 x 2 units: 64 x 144 would stream 208 rows)
@@ -155,7 +166,9 @@ def _check(out, ref):
 
 SHAPES = [(1, 16, 16), (3, 24, 48), (17, 136, 208), (64, 256, 128), (65, 264, 1008), (128, 520, 4112),
           (129, 2112, 384), (300, 1000, 1040), (777, 776, 2064), (4096, 2112, 272), (2048, 7168, 512),
-          (150, 520, 8208), (250, 1000, 4112)]  # the last two: two rows of tiles split in two by the pick
+          (150, 520, 8208), (250, 1000, 4112),  # two rows of tiles split in two by the pick
+          (20, 3000, 16392), (140, 2100, 16400),  # B of 32-64 MB split in two (narrow tiles; half the SMs idle)
+          (40, 4000, 4104), (100, 7000, 4104)]  # one row of tiles that fills the SMs: not split
 
 
 @pytest.mark.gpu

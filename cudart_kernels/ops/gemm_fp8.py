@@ -128,7 +128,17 @@ NARROW_ROWS_GAIN = 0.85
 # 128x2112x7168 12.6 vs 13.7; 64x4096x7168 even, 15.5 vs 15.4; B of 117 MB (N x K = 7168 x 16384) streams at
 # DRAM speed either way; 3 to 8 splits and wider tiles lost, docs/perf-notes.md).
 SPLIT_GAIN = 0.67
-SPLIT_MAX_B_BYTES = 32 << 20
+# B up to SPLIT_MAX_B_BYTES where the unsplit tiles are narrower than SPLIT_WIDE_BN (they stream slowly) or leave
+# half the SMs idle, else up to SPLIT_WIDE_MAX_B_BYTES; and for one row of tiles no split where they are 32 or more
+# columns wide and busy UNSPLIT_FILL of the SMs (the A boxes load only M's rows). H100, same process, unsplit /
+# split in two, us: 64x2112x16384 22.5 / 18.0, 136x2112x16384 37.2 / 22.2, 16x3072x16384 (73% of the SMs) 23.1 /
+# 20.9; but 32x4864x9728 19.8 / 21.4 (48 columns), 16x4096x7168 12.9 / 14.1, 128x7168x7168 22.3 / 24.9
+# (docs/perf-notes.md session 21).
+SPLIT_MAX_B_BYTES = 64 << 20
+SPLIT_WIDE_MAX_B_BYTES = 32 << 20
+SPLIT_WIDE_BN = 48
+UNSPLIT_FILL = 0.8
+UNSPLIT_MIN_M = 8  # below it the split still won: 1x4096x8192 15.5 / 16.5, 4x4096x7168 13.9 / 15.7
 SPLIT_MIN_K = 4096  # K = 2048 lost (64x7168x2048 11.1 vs 9.2 us): 8 k blocks a split do not cover the fixed costs
 
 
@@ -138,11 +148,12 @@ def _fill(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: DevicePr
     return -(-units // props.sm_count) * (bm + bn) * k / splits
 
 
-def _split_in_two(m: int, n: int, k: int, unsplit: tuple, props: DeviceProperties) -> tuple | None:
+def _split_in_two(m: int, n: int, k: int, unsplit: tuple, props: DeviceProperties, idle: bool = False) -> tuple | None:
     """(BM, BN) of a 2-way split-K with one wave of (tile, split) units and the least fill per CTA, when it cuts
-    the fill of the `unsplit` (BM, BN) tiles by SPLIT_GAIN, K is at least SPLIT_MIN_K and B at most
-    SPLIT_MAX_B_BYTES; else None."""
-    if n * k > SPLIT_MAX_B_BYTES or k < SPLIT_MIN_K:
+    the fill of the `unsplit` (BM, BN) tiles by SPLIT_GAIN, K is at least SPLIT_MIN_K and B within the limits
+    above (`idle`: the unsplit tiles leave half the SMs idle); else None."""
+    wide = unsplit[1] >= SPLIT_WIDE_BN and not idle
+    if n * k > (SPLIT_WIDE_MAX_B_BYTES if wide else SPLIT_MAX_B_BYTES) or k < SPLIT_MIN_K:
         return None
     split = []  # per tile height, the narrowest width with one wave of (tile, split) units
     for rows in (64, 128) if m > 64 else (64,):
@@ -159,12 +170,16 @@ def _split_in_two(m: int, n: int, k: int, unsplit: tuple, props: DevicePropertie
 
 def _small_m(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties) -> tuple:
     """For one row of BM x BN tiles (M <= 128, memory-bound): (BM, BN, splits). For BM = 128, 64-row tiles when
-    they cut the fill per CTA by NARROW_ROWS_GAIN or more; then a 2-way split-K (`_split_in_two`)."""
+    they cut the fill per CTA by NARROW_ROWS_GAIN or more; then a 2-way split-K (`_split_in_two`) unless one row
+    of tiles already busies UNSPLIT_FILL of the SMs."""
     best = (bm, bn)
     if bm == 128:
         narrow = min(range(16, NARROW_ROWS_MAX_BN + 1, 16), key=lambda b: (_fill(m, n, k, 64, b, 1, props), -b))
         if _fill(m, n, k, 64, narrow, 1, props) <= NARROW_ROWS_GAIN * _fill(m, n, k, 128, bn, 1, props):
             best = (64, narrow)
+    if (UNSPLIT_MIN_M <= m <= best[0] and best[1] >= _gemm.NARROW_MIN_BN
+            and -(-n // best[1]) >= UNSPLIT_FILL * props.sm_count):
+        return best + (1,)  # one row of tiles that fills the SMs (two rows of 64: 96x2112x16384 split 1.22x)
     split = _split_in_two(m, n, k, best, props)
     return split + (2,) if split else best + (1,)
 
@@ -212,7 +227,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         # -> 10.8, 512x256x16384 37.5 -> 17.4; where the tiles already fill the SMs it lost (192x4096x7168 20.0 ->
         # 21.0; docs/perf-notes.md session 19).
         if layout == NORMAL and tiles_m * -(-n // bn) <= props.sm_count // 2:
-            split = _split_in_two(m, n, k, (bm, bn), props)
+            split = _split_in_two(m, n, k, (bm, bn), props, idle=True)
             if split:
                 (bm, bn), splits = split, 2
     else:
