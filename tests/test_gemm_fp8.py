@@ -167,8 +167,8 @@ def _check(out, ref):
 SHAPES = [(1, 16, 16), (3, 24, 48), (17, 136, 208), (64, 256, 128), (65, 264, 1008), (128, 520, 4112),
           (129, 2112, 384), (300, 1000, 1040), (777, 776, 2064), (4096, 2112, 272), (2048, 7168, 512),
           (150, 520, 8208), (250, 1000, 4112),  # two rows of tiles split in two by the pick
-          (20, 3000, 16392), (140, 2100, 16400),  # B of 32-64 MB split in two (narrow tiles; half the SMs idle)
-          (40, 4000, 4104), (100, 7000, 4104)]  # one row of tiles that fills the SMs: not split
+          (20, 3000, 16400), (140, 2104, 16400),  # B of 32-64 MB split in two (narrow tiles; half the SMs idle)
+          (40, 4000, 4112), (100, 7000, 4112)]  # one row of tiles that fills the SMs: not split
 
 
 @pytest.mark.gpu
