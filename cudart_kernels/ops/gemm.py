@@ -462,8 +462,8 @@ BENCH_SHAPES = {
 
 def variants():
     """Every kernel variant the heuristic picks for the benchmark shapes, three 192-row shapes, one M that is
-    not a multiple of the tile and one decode shape (bf16 in; bf16 and fp32 out; plain, split-K, deterministic split-K, accumulate into
-    fp32 D)."""
+    not a multiple of the tile and one decode shape (bf16 in; bf16 and fp32 out; plain, split-K, deterministic
+    split-K, accumulate into fp32 D)."""
     from ..runtime.driver import H100
 
     seen = {}
