@@ -8,11 +8,12 @@ Prints, same process, CUDA-graph replays over input sets beyond 2x L2 (the bench
 - cuBLAS, the heuristic's pick and the same call with split_k=1;
 - variants of the pick with parts switched off (results wrong, timing only): `no_epi` skips the split-K
   epilogue (no partial, count or finish), `no_mma` the wgmma, `no_load` the loads after the first stages,
-  `no_reduce` only the partial's reduce-add, `no_finish` only the finish; `one_finishes` (still exact) has only
+  `no_reduce` only the partial's reduce-add, `no_finish` only the finish, `count_only` both; `one_finishes` (still exact) has only
   the last split of a slice finish it, the others leave at once (the kernel's rule beyond one wave);
 - a per-CTA timeline of the pick (globaltimer and clock64 written through the unused C pointer): the SM clock,
-  the first stage's arrival, the main loop's end (median and slowest CTA) and the CTA's end, in us from the
-  median CTA's release from griddepcontrol.wait, medians over calls 10..49 of a 50-call graph.
+  the first stage's arrival, the main loop's end (median and slowest CTA) and the last CTA's end, in us from the
+  median CTA's release from griddepcontrol.wait, and from that end to the next call's median release ("next"),
+  medians over calls 10..48 of a 50-call graph.
 docs/perf-notes.md, session 22, has the 512x512x65536 numbers.
 """
 import argparse
@@ -30,6 +31,7 @@ from cudart_kernels.runtime.interop import as_array
 VARIANTS = {"base": {}, "no_epi": {"DIAG_NO_EPI": 1}, "no_mma": {"DIAG_NO_MMA": 1},
             "no_load": {"DIAG_NO_LOAD": 1}, "no_mma_no_epi": {"DIAG_NO_MMA": 1, "DIAG_NO_EPI": 1},
             "no_reduce": {"DIAG_NO_REDUCE": 1}, "no_finish": {"DIAG_NO_FINISH": 1},
+            "count_only": {"DIAG_NO_REDUCE": 1, "DIAG_NO_FINISH": 1},
             "no_epi_sleep6": {"DIAG_NO_EPI": 1, "DIAG_SLEEP_END": 6000}, "one_finishes": {"DIAG_ONE_FINISHES": 1}}
 EXACT = {"base", "one_finishes"}  # variants that still compute the product
 ITERS = 50
@@ -137,13 +139,17 @@ def timeline(plan):
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    r = rec.cpu().numpy().astype(np.float64)  # entry, released, first stage, main end, end (ns), cycles, smid
-    keys = ("MHz", "first", "main med", "main max", "end max")
+    # per CTA: entry, released, first stage, main end, end (ns), cycles, smid, the last consumer's end (ns)
+    r = rec.cpu().numpy().astype(np.float64)
+    keys = ("MHz", "first", "main med", "main max", "end max", "next")
     calls = []
-    for x in r[10:]:
+    for j in range(10, ITERS - 1):
+        x = r[j]
         t0 = np.median(x[:, 1])
+        end = np.maximum(x[:, 4], x[:, 7]).max()
         calls.append((np.median(x[:, 5] / (x[:, 4] - x[:, 0]) * 1e3), np.median(x[:, 2] - t0) / 1e3,
-                      np.median(x[:, 3] - t0) / 1e3, (x[:, 3].max() - t0) / 1e3, (x[:, 4].max() - t0) / 1e3))
+                      np.median(x[:, 3] - t0) / 1e3, (x[:, 3].max() - t0) / 1e3, (end - t0) / 1e3,
+                      (np.median(r[j + 1][:, 1]) - end) / 1e3))
     return dict(zip(keys, (statistics.median(c[j] for c in calls) for j in range(len(keys)))))
 
 
@@ -156,8 +162,8 @@ except ImportError:
 
 cublas = lambda i, s: torch.matmul(a[i], b[i].t(), out=d[i])
 unsplit = lambda i, s: ck.gemm(a[i], b[i], out=d[i], split_k=1, stream=s)
-print("| variant | config | rel. error | us | cuBLAS us | split_k=1 us | MHz | first | main med | main max | end max |")
-print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+print("| variant | config | rel. error | us | cuBLAS us | split_k=1 us | MHz | first | main med | main max | end max | next |")
+print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for name in args.variants.split(","):
     extra = VARIANTS[name]
     plan = plan_for(extra)
