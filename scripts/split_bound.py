@@ -8,8 +8,8 @@ Prints, same process, CUDA-graph replays over input sets beyond 2x L2 (the bench
 - cuBLAS, the heuristic's pick and the same call with split_k=1;
 - variants of the pick with parts switched off (results wrong, timing only): `no_epi` skips the split-K
   epilogue (no partial, count or finish), `no_mma` the wgmma, `no_load` the loads after the first stages,
-  `no_reduce` only the partial's reduce-add, `no_finish` only the finish, `count_only` both; `one_finishes` (still exact) has only
-  the last split of a slice finish it, the others leave at once (the kernel's rule beyond one wave);
+  `no_reduce` only the partial's reduce-add, `no_finish` only the finish, `count_only` both; `one_finishes`
+  (still exact) has only the last split of a slice finish it, the others leave at once (the rule beyond one wave);
 - a per-CTA timeline of the pick (globaltimer and clock64 written through the unused C pointer): the SM clock,
   the first stage's arrival, the main loop's end (median and slowest CTA) and the last CTA's end, in us from the
   median CTA's release from griddepcontrol.wait, and from that end to the next call's median release ("next"),
@@ -99,19 +99,21 @@ def read_floor_us():
 
 _defines = g._defines
 DIAG = {}
-g._defines = lambda *x, **kw: {**_defines(*x, **kw), **DIAG}
+g._defines = lambda in_dt, out_dt, cfg, *x, **kw: {**_defines(in_dt, out_dt, cfg, *x, **kw),
+                                                   **(DIAG if cfg.splits > 1 else {})}  # not into split_k=1
 
 
-def plan_for(extra):
+def use_variant(extra):
+    """Compile the DIAG switches `extra` into every split-K plan gemm() builds from now on."""
     DIAG.clear()
     DIAG.update(extra)
     g._plans.clear()
-    return g._plan(as_array(a[0]), as_array(b[0]), as_array(d[0]), None, False, None, False, False, props)
 
 
-def launcher(plan):
-    """Our launch of `plan` (gemm()'s own path), with the C pointer free for the timeline record."""
-    def run(i, s, rec_ptr=0):
+def recording_launcher(plan):
+    """gemm()'s launch of `plan` with the per-CTA record in the C pointer (gemm() passes C only when it adds one,
+    which would compile another kernel)."""
+    def run(i, s, rec_ptr):
         h = stream_handle(s)
         av, bv, dv = as_array(a[i], h), as_array(b[i], h), as_array(d[i], h)
         ws = g._workspace(0, h)
@@ -124,8 +126,9 @@ def launcher(plan):
     return run
 
 
-def timeline(plan):
-    run = launcher(plan)
+def timeline():
+    plan = g._plan(as_array(a[0]), as_array(b[0]), as_array(d[0]), None, False, None, False, False, props)
+    run = recording_launcher(plan)
     grid = plan.grid[0]
     rec = torch.zeros(ITERS, grid, 8, dtype=torch.int64, device="cuda")
     s = torch.cuda.Stream()
@@ -162,19 +165,21 @@ except ImportError:
 
 cublas = lambda i, s: torch.matmul(a[i], b[i].t(), out=d[i])
 unsplit = lambda i, s: ck.gemm(a[i], b[i], out=d[i], split_k=1, stream=s)
-print("| variant | config | rel. error | us | cuBLAS us | split_k=1 us | MHz | first | main med | main max | end max | next |")
+print("| variant | config | rel. error | us | cuBLAS us | split_k=1 us | MHz | first | main med | main max | end max "
+      "| next |")
 print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for name in args.variants.split(","):
     extra = VARIANTS[name]
-    plan = plan_for(extra)
-    run = launcher(plan)
+    use_variant(extra)
     err = ""
     if name in EXACT:
         d[0].fill_(float("nan"))
-        run(0, torch.cuda.current_stream())
+        ck.gemm(a[0], b[0], out=d[0])
         err = f"{((d[0].double() - ref).norm() / ref.norm()).item():.1e}"
-    peer, ours, off = graph_times_us(torch, [cublas, run, unsplit], sets, iters=ITERS)
-    tl = timeline(plan_for({**extra, "DIAG_CLOCK": 1}))
-    c = plan.cfg
-    print(f"| {name} | {c.bm}x{c.bn} st{c.stages} s{c.splits} mc{c.mcast} | {err} | {ours:.2f} | {peer:.2f} | {off:.1f} | "
+    ours = lambda i, s: ck.gemm(a[i], b[i], out=d[i], stream=s)
+    peer, t, off = graph_times_us(torch, [cublas, ours, unsplit], sets, iters=ITERS)
+    c = g.pick_config(M, N, K, 2, props)
+    use_variant({**extra, "DIAG_CLOCK": 1})
+    tl = timeline()
+    print(f"| {name} | {c.bm}x{c.bn} st{c.stages} s{c.splits} mc{c.mcast} | {err} | {t:.2f} | {peer:.2f} | {off:.1f} | "
           + " | ".join(f"{v:.0f}" if k == "MHz" else f"{v:.2f}" for k, v in tl.items()) + " |", flush=True)
