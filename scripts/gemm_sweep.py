@@ -12,7 +12,10 @@ import torch
 
 import cudart_kernels as ck
 from cudart_kernels.bench import graph_time_us, sets_beyond_l2
+from dataclasses import replace
+
 from cudart_kernels.ops import gemm as g
+from cudart_kernels.ops import sm90
 from cudart_kernels.runtime import dtypes as dt
 from cudart_kernels.runtime.compiler import compile_kernel
 from cudart_kernels.runtime.driver import device_properties
@@ -36,9 +39,9 @@ def _configs(m, n, k, bm, props):
             if stages < 2:
                 continue
             smem = g.smem_bytes(bm, bn, stages, epi)
-            for mc in {0, g.pick_multicast(m, n, bm, bn, sp, False, props)}:
-                yield g.GemmConfig(bm, bn, stages, sp, smem, mc, g.group_rows(m, n, bm, bn, mc, props),
-                                   g.streams_b(m, k, 2))
+            for mc in {0, sm90.pick_multicast(m, n, bm, bn, sp, False, props, g.TUNING)}:
+                yield g.GemmConfig(bm, bn, stages, sp, smem, mc, sm90.group_rows(m, n, bm, bn, mc, props),
+                                   sm90.streams_b(m, k, 2, g.TUNING))
 
 
 def defines(cfg):
@@ -64,7 +67,6 @@ def main():
     with mp.get_context("spawn").Pool(min(16, os.cpu_count())) as pool:
         pool.map(_compile, list(uniq.values()))
     print(f"device: {torch.cuda.get_device_name()}, {sum(map(len, todo.values()))} configs")
-    real_pick = g.pick_config
     rows = []
     for (m, n, k), cfgs in todo.items():
         sets = sets_beyond_l2((m * k + n * k + m * n) * 2, cap=16)
@@ -73,26 +75,22 @@ def main():
         d = [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
         iters = 20
         cub = graph_time_us(torch, lambda i, s: torch.matmul(a[i], b[i].t(), out=d[i]), sets, iters, repeats=5)
-        g.pick_config = real_pick
-        g._plans.clear()
-        auto = real_pick(m, n, k, 2, props)
+        auto = g.pick_config(m, n, k, 2, props)
         t_auto = graph_time_us(torch, lambda i, s: ck.gemm(a[i], b[i], out=d[i], stream=s), sets, iters, repeats=5)
         best = None
         for cfg in cfgs:
-            g.pick_config = lambda *args, cfg=cfg, **kw: cfg
-            g._plans.clear()
-            us = graph_time_us(torch, lambda i, s: ck.gemm(a[i], b[i], out=d[i], stream=s), sets, iters, repeats=5)
+            t = replace(g.TUNING, force_config=cfg)
+            us = graph_time_us(torch, lambda i, s: ck.gemm(a[i], b[i], out=d[i], stream=s, tuning=t), sets, iters,
+                               repeats=5)
             rows.append(dict(m=m, n=n, k=k, bm=cfg.bm, bn=cfg.bn, splits=cfg.splits, mcast=cfg.mcast,
                              stages=cfg.stages, us=round(us, 2), cublas=round(cub, 2)))
             if best is None or us < best[0]:
                 best = (us, cfg)
-        g.pick_config = real_pick
         b_us, b_cfg = best
         print(f"{m}x{n}x{k}: cuBLAS {cub:.1f} | auto {t_auto:.1f} (BN{auto.bn} s{auto.splits} mc{auto.mcast}) | "
               f"best {b_us:.1f} (BM{b_cfg.bm} BN{b_cfg.bn} s{b_cfg.splits} mc{b_cfg.mcast} st{b_cfg.stages}) "
               f"| best x {cub / b_us:.2f}", flush=True)
         a = b = d = None
-    g._plans.clear()
     with open(args.csv, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

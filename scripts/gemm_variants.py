@@ -2,8 +2,10 @@
 
     python scripts/gemm_variants.py [large|skinny|MxNxK ...] [--variants base,nomcast]
 
-A variant is a set of module overrides of cudart_kernels.ops.gemm (see VARIANTS); plans are rebuilt for each.
+A variant is a set of GemmTuning fields (see VARIANTS; "_split_k" forces the split count); each gets its own plans.
 """
+from dataclasses import replace
+
 import argparse
 
 import torch
@@ -12,13 +14,13 @@ import cudart_kernels as ck
 from cudart_kernels.bench import graph_time_us, sets_beyond_l2
 from cudart_kernels.ops import gemm as g
 from cudart_kernels.runtime.driver import device_properties
+from cudart_kernels.runtime.plans import PLANS
 
 VARIANTS = {
     "base": {},
-    "nomcast": {"MULTICAST": False},
-    "nosplit": {"_force_split": 1},
-    "nogroup": {"MULTICAST": False, "group_rows": lambda m, n, bm, bn, mcast, props: -(-m // bm)},
-    "mcnogroup": {"group_rows": lambda m, n, bm, bn, mcast, props: -(-m // (bm * (2 if mcast == 1 else 1)))},
+    "nomcast": {"multicast": False},
+    "nosplit": {"_split_k": 1},
+    "nodecode": {"decode": False},
 }
 
 ap = argparse.ArgumentParser()
@@ -30,7 +32,6 @@ for s in args.shapes:
     shapes += g.BENCH_SHAPES[s] if s in g.BENCH_SHAPES else [tuple(map(int, s.split("x")))]
 names = args.variants.split(",")
 props = device_properties(0)
-defaults = {k: getattr(g, k) for v in VARIANTS.values() for k in v if not k.startswith("_")}
 
 print(f"device: {torch.cuda.get_device_name()}")
 print("| MxNxK | cuBLAS us | " + " | ".join(f"{n} us (cfg) | {n} x" for n in names) + " |")
@@ -45,20 +46,18 @@ for m, n, k in shapes:
     cub = graph_time_us(torch, lambda i, s: torch.matmul(a[i], b[i].t(), out=d[i]), sets, iters=iters)
     cells = []
     for name in names:
-        over = VARIANTS[name]
-        for key, val in defaults.items():
-            setattr(g, key, over.get(key, val))
-        g._plans.clear()
-        split = over.get("_force_split")
-        cfg = g.pick_config(m, n, k, 2, props, split)
+        over = dict(VARIANTS[name])
+        split = over.pop("_split_k", None)
+        t = replace(g.TUNING, **over)
+        cfg = g.pick_config(m, n, k, 2, props, split, tuning=t)
         d[0].fill_(float("nan"))
-        ck.gemm(a[0], b[0], out=d[0], split_k=split)
+        ck.gemm(a[0], b[0], out=d[0], split_k=split, tuning=t)
         err = ((d[0].double() - ref).norm() / ref.norm()).item()
-        us = graph_time_us(torch, lambda i, s: ck.gemm(a[i], b[i], out=d[i], split_k=split, stream=s), sets,
-                           iters=iters)
+        us = graph_time_us(torch, lambda i, s: ck.gemm(a[i], b[i], out=d[i], split_k=split, stream=s, tuning=t),
+                           sets, iters=iters)
         ratios[name].append(cub / us)
         bad = "" if err < 1e-2 else f" ERR {err:.1e}"
-        grid = next(iter(g._plans.values())).grid[0]
+        grid = next(p for k, p in PLANS.items("gemm") if t in k).grid[0]
         cells.append(f"{us:.1f} ({cfg.bm}x{cfg.bn} st{cfg.stages} s{cfg.splits} mc{cfg.mcast} g{cfg.group_m} "
                      f"grid{grid}){bad} "
                      f"| {cub / us:.2f}")

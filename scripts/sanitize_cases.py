@@ -40,27 +40,30 @@ acc = DeviceArray.from_numpy(np.zeros((130, 136), np.float32))
 ck.gemm(a, b, out=acc, c=acc, split_k=3)
 assert np.abs(acc.numpy() - ref).max() < 1e-2 * np.abs(ref).max()
 # Decode kernel (M <= 16; forced on for this small N and K), with tails in M, N and K and with C.
-from cudart_kernels.ops import gemm as g  # noqa: E402
+from dataclasses import replace  # noqa: E402
 
-saved = g.DECODE_MIN_K, g.DECODE_MIN_FILL, g.DECODE_MAX_FILL, g.DECODE_MAX_A_BYTES
-g.DECODE_MIN_K, g.DECODE_MIN_FILL, g.DECODE_MAX_FILL, g.DECODE_MAX_A_BYTES = 1, 0, float("inf"), float("inf")
+from cudart_kernels.ops import gemm as g  # noqa: E402
+from cudart_kernels.ops import gemm_fp8 as f  # noqa: E402
+from cudart_kernels.runtime.plans import PLANS  # noqa: E402
+
+
+def plans_under(op, tuning):
+    return [p for k, p in PLANS.items(op) if tuning in k]
+
+
+t = replace(g.TUNING, decode_min_k=1, decode_min_fill=0, decode_max_fill=float("inf"), decode_max_a_bytes=float("inf"))
 for kw in ({}, {"c": c_small}):
-    d = ck.gemm(a_small, b_small, out_dtype="float32", **kw)
+    d = ck.gemm(a_small, b_small, out_dtype="float32", tuning=t, **kw)
     want = ref[:13, :120] + (c_small.numpy() if kw else 0)
     assert np.abs(d.numpy() - want).max() < 1e-2 * np.abs(want).max(), kw
-assert any(isinstance(p, g._DecodePlan) for p in g._plans.values())
-g.DECODE_MIN_K, g.DECODE_MIN_FILL, g.DECODE_MAX_FILL, g.DECODE_MAX_A_BYTES = saved
-g._plans.clear()
+assert any(isinstance(p, g._DecodePlan) for p in plans_under("gemm", t))
 # B with the evict-first L2 policy (forced on for this short K), unsplit and split, 100 rows
-saved = g.STREAM_B_MIN_ROW_BYTES
-g.STREAM_B_MIN_ROW_BYTES = 0
+t = replace(g.TUNING, stream_b_min_row_bytes=0)
 a_100 = DeviceArray.from_numpy(a.numpy()[:100].copy())
 for kw in ({}, {"split_k": 4}):
-    d = ck.gemm(a_100, b, out_dtype="float32", **kw)
+    d = ck.gemm(a_100, b, out_dtype="float32", tuning=t, **kw)
     assert np.abs(d.numpy() - ref[:100]).max() < 1e-2 * np.abs(ref[:100]).max(), kw
-assert all(p.cfg.stream_b for p in g._plans.values())
-g.STREAM_B_MIN_ROW_BYTES = saved
-g._plans.clear()
+assert all(p.cfg.stream_b for p in plans_under("gemm", t))
 print("gemm sanitize cases ran")
 
 # 2-CTA clusters with multicast (forced on both sides; odd tile rows leave a spare tile), plain and split-K.
@@ -68,18 +71,15 @@ print("gemm sanitize cases ran")
 b2 = DeviceArray.from_numpy(rng.standard_normal((256, 520)).astype(ck.bfloat16.numpy))
 ref2 = a.numpy().astype(np.float64) @ b2.numpy().astype(np.float64).T
 for mode in (g.MCAST_SHARE_B, g.MCAST_SHARE_A):
-    g.pick_multicast = lambda *args, mode=mode: mode
-    g._plans.clear()
+    t = replace(g.TUNING, force_mcast=mode)
     for kw in ({}, {"split_k": 3, "deterministic": True}):
-        d = ck.gemm(a, b2, out_dtype="float32", **kw)
-        assert {p.cfg.mcast for p in g._plans.values()} == {mode}
+        d = ck.gemm(a, b2, out_dtype="float32", tuning=t, **kw)
         assert np.abs(d.numpy() - ref2).max() < 1e-2 * np.abs(ref2).max(), (mode, kw)
+    assert {p.cfg.mcast for p in plans_under("gemm", t)} == {mode}
 print("gemm cluster sanitize cases ran")
 
 # FP8 block-scaled GEMM: tails on M, N and K; zero-copy M-major scales from the quantize op and row-major scales
 # (converted); then 2-CTA pairs on both sides.
-from cudart_kernels.ops import gemm_fp8 as f  # noqa: E402
-
 x8 = DeviceArray.from_numpy((rng.standard_normal((130, 528)) * 2).astype(np.float32))
 w8 = DeviceArray.from_numpy((rng.standard_normal((136, 528)) * 0.1).astype(np.float32))
 qa, sa = ck.quantize_fp8_per_token(x8)
@@ -88,60 +88,52 @@ deq_a = qa.numpy().astype(np.float64) * np.repeat(sa.numpy().astype(np.float64),
 deq_b = qb.numpy().astype(np.float64) * np.repeat(np.repeat(sb.numpy().astype(np.float64), 128, 0), 128, 1)[:136, :528]
 ref8 = deq_a @ deq_b.T
 sa_rowmajor = DeviceArray.from_numpy(np.ascontiguousarray(sa.numpy()))
-for mode in (g.MCAST_NONE, g.MCAST_SHARE_B, g.MCAST_SHARE_A):
-    g.pick_multicast = lambda *args, mode=mode: mode
-    f._plans.clear()
+
+
+def check8(tuning, what):
+    d = ck.gemm_fp8(qa, sa, qb, sb, tuning=tuning)
+    assert np.abs(d.numpy().astype(np.float64) - ref8).max() < 2e-2 * np.abs(ref8).max(), what
+
+
+for mode in (g.MCAST_SHARE_B, g.MCAST_SHARE_A):
+    t = replace(f.TUNING, force_mcast=mode)
     for scales in (sa, sa_rowmajor):
-        d = ck.gemm_fp8(qa, scales, qb, sb)
-        assert {p.cfg.mcast for p in f._plans.values()} == {mode}
+        d = ck.gemm_fp8(qa, scales, qb, sb, tuning=t)
         assert np.abs(d.numpy().astype(np.float64) - ref8).max() < 2e-2 * np.abs(ref8).max(), mode
+    assert {p.cfg.mcast for p in plans_under("gemm_fp8", t)} == {mode}
 # Tiles of more than 192 columns (two column halves, A from registers), 128 and 64 rows.
-pick = f.pick_config
 for bm in (128, 64):
-    f.pick_config = lambda m, n, k, props, layout=f.NORMAL, groups=1, max_bm=256, bm=bm: f.Fp8Config(
-        bm, 256, 4, f.smem_bytes(bm, 256, 4, layout), g.MCAST_NONE, 1, layout)
-    f._plans.clear()
-    d = ck.gemm_fp8(qa, sa, qb, sb)
-    assert np.abs(d.numpy().astype(np.float64) - ref8).max() < 2e-2 * np.abs(ref8).max(), bm
-# 256-row tiles (two row blocks per consumer; the consumers take turns to issue), alone and in pairs sharing A.
+    check8(replace(f.TUNING, force_tile=(bm, 256), force_mcast=g.MCAST_NONE), bm)
+# 256-row tiles (two row blocks per consumer), alone and in pairs sharing A.
 for mode in (g.MCAST_NONE, g.MCAST_SHARE_A):
-    f.pick_config = lambda m, n, k, props, layout=f.NORMAL, groups=1, max_bm=256, mode=mode: f.Fp8Config(
-        256, 128, 3, f.smem_bytes(256, 128, 3, layout), mode, 1, layout)
-    f._plans.clear()
-    d = ck.gemm_fp8(qa, sa, qb, sb)
-    assert {(p.cfg.bm, p.cfg.mcast) for p in f._plans.values()} == {(256, mode)}
-    assert np.abs(d.numpy().astype(np.float64) - ref8).max() < 2e-2 * np.abs(ref8).max(), mode
+    t = replace(f.TUNING, force_tile=(256, 128), force_mcast=mode)
+    check8(t, mode)
+    assert {(p.cfg.bm, p.cfg.mcast) for p in plans_under("gemm_fp8", t)} == {(256, mode)}
 # Split-K through the cluster's shared memory (2 and 3 K slices; 5 k blocks do not divide by either), B loaded
 # with the evict-first L2 policy.
 for bm, bn, splits in ((64, 32, 2), (128, 64, 3)):
-    f.pick_config = lambda m, n, k, props, layout=f.NORMAL, groups=1, max_bm=256, t=(bm, bn, splits): f.Fp8Config(
-        t[0], t[1], 4, f.smem_bytes(t[0], t[1], 4, layout), g.MCAST_NONE, 1, layout, t[2], stream_b=True)
-    f._plans.clear()
-    d = ck.gemm_fp8(qa, sa, qb, sb)
-    assert {p.cfg.splits for p in f._plans.values()} == {splits}
-    assert np.abs(d.numpy().astype(np.float64) - ref8).max() < 2e-2 * np.abs(ref8).max(), (bm, bn, splits)
-f.pick_config = pick
-f._plans.clear()
+    t = replace(f.TUNING, force_tile=(bm, bn), force_splits=splits, stream_b_min_row_bytes=0)
+    check8(t, (bm, bn, splits))
+    assert {(p.cfg.splits, p.cfg.stream_b) for p in plans_under("gemm_fp8", t)} == {(splits, True)}
 print("gemm_fp8 sanitize cases ran")
 
 # The grouped layouts and the weight gradient, one small case each (tails, padding rows, masked rows, an empty
 # K group, direct-store slices), also under 2-CTA pairs.
 for mode in (g.MCAST_NONE, g.MCAST_SHARE_A):
-    g.pick_multicast = lambda *args, mode=mode: mode
-    f._plans.clear()
+    t = replace(f.TUNING, force_mcast=mode)
     ids = DeviceArray.from_numpy(np.array([0] * 100 + [-1] * 28 + [1] * 128 + [-1] * 128, np.int32))
     qa3, sa3 = ck.quantize_fp8_per_token(DeviceArray.from_numpy(rng.standard_normal((384, 528)).astype(np.float32)))
     qw3, sw3 = ck.quantize_fp8_per_block(DeviceArray.from_numpy(rng.standard_normal((2 * 256, 528)).astype(np.float32)))
     qw3 = DeviceArray(qw3.ptr, (2, 256, 528), qw3.dtype, None, qw3.device, owner=qw3)
     sw3 = DeviceArray(sw3.ptr, (2, 2, 5), sw3.dtype, None, sw3.device, owner=sw3)
-    d = ck.gemm_fp8_grouped_contiguous(qa3, sa3, qw3, sw3, ids)
+    d = ck.gemm_fp8_grouped_contiguous(qa3, sa3, qw3, sw3, ids, tuning=t)
     assert np.isfinite(d.numpy()[:100].astype(np.float32)).all()
     qm = DeviceArray(qa3.ptr, (2, 192, 528), qa3.dtype, None, qa3.device, owner=qa3)
     sm = DeviceArray(sa3.ptr, (2, 192, 5), sa3.dtype, (1 * 192, 1, sa3.strides[1]), sa3.device, owner=sa3)
-    d = ck.gemm_fp8_grouped_masked(qm, sm, qw3, sw3, DeviceArray.from_numpy(np.array([70, 192], np.int32)))
+    d = ck.gemm_fp8_grouped_masked(qm, sm, qw3, sw3, DeviceArray.from_numpy(np.array([70, 192], np.int32)), tuning=t)
     dw = DeviceArray.from_numpy(np.zeros((2, 136, 132), np.float32))
     qa_t, sa_t = ck.quantize_fp8_per_token(DeviceArray.from_numpy(rng.standard_normal((136, 384)).astype(np.float32)))
     qb_t, sb_t = ck.quantize_fp8_per_token(DeviceArray.from_numpy(rng.standard_normal((132, 384)).astype(np.float32)))
-    ck.gemm_fp8_wgrad(qa_t, sa_t, qb_t, sb_t, dw, [256, 128])
+    ck.gemm_fp8_wgrad(qa_t, sa_t, qb_t, sb_t, dw, [256, 128], tuning=t)
     assert np.isfinite(dw.numpy()).all()
 print("gemm_fp8 grouped sanitize cases ran")

@@ -3,7 +3,12 @@ import numpy as np
 import pytest
 
 import cudart_kernels as ck
+from dataclasses import replace
+
 from cudart_kernels.ops import gemm as g
+from cudart_kernels.ops import sm90
+from cudart_kernels.ops.sm90 import MapLayout
+from cudart_kernels.runtime.plans import PLANS
 from cudart_kernels.runtime import dtypes as dt
 from cudart_kernels.runtime.driver import H100
 from cudart_kernels.runtime.interop import DeviceArray
@@ -22,7 +27,7 @@ def fake(shape, dtype, strides=None, offset=0):
 def test_config_fits_and_matches_the_kernel_layout(shape, out_bytes, split_k):
     m, n, k = shape
     cfg = g.pick_config(m, n, k, out_bytes, H100, split_k)
-    assert cfg.bm == g.row_tile(m) or cfg.splits > 1 and cfg.bm == 64 and m <= g.SPLIT_BM64_MAX_M
+    assert cfg.bm == g.row_tile(m) or cfg.splits > 1 and cfg.bm == 64 and m <= g.TUNING.split_bm64_max_m
     assert cfg.bn % 8 == 0 and 8 <= cfg.bn <= (256 if cfg.bm < 192 else 160 if cfg.splits > 1 else 192)
     assert 2 <= cfg.stages <= g.MAX_STAGES
     epi = 4 if cfg.splits > 1 else out_bytes
@@ -80,16 +85,17 @@ def test_config_choices():
                                                                                         128, 128, 192, 192, 128]
     assert tuple(g.pick_config(192, 7168, 8192, 2, H100).__dict__.values())[:4] == (192, 128, 4, 2)
     cfg = g.pick_config(160, 4096, 4096, 2, H100)
-    assert cfg.bm == 192 and cfg.splits > 1 and cfg.bn <= g.BM192_SPLIT_MAX_BN
+    assert cfg.bm == 192 and cfg.splits > 1 and cfg.bn <= g.TUNING.bm192_split_max_bn
     assert g.pick_config(384, 7168, 8192, 2, H100).bm == 192
-    assert g.pick_config(160, 4096, 4096, 2, H100, split_k=3).bn <= g.BM192_SPLIT_MAX_BN  # forced splits too
+    assert g.pick_config(160, 4096, 4096, 2, H100, split_k=3).bn <= g.TUNING.bm192_split_max_bn  # forced splits too
     # enough tiles: no split
     for m, n, k in g.BENCH_SHAPES["large"]:
         assert g.pick_config(m, n, k, 2, H100).splits == 1
 
 
 def test_multicast_and_tile_order():
-    P = g.pick_multicast
+    def P(*args):
+        return sm90.pick_multicast(*args, g.TUNING)
     assert P(8192, 8192, 128, 256, 1, False, H100) == g.MCAST_SHARE_B
     assert P(8192, 8192, 128, 256, 1, True, H100) == g.MCAST_SHARE_A  # B as [K, N] is never shared
     assert P(64, 8192, 64, 256, 1, False, H100) == g.MCAST_NONE       # one tile row, BM 64 cannot halve A
@@ -99,8 +105,8 @@ def test_multicast_and_tile_order():
     assert P(384, 43 * 128, 128, 128, 1, False, H100) == g.MCAST_SHARE_A  # 3 x 43 -> 3 x 44: still one wave
     assert P(128, 8192, 128, 128, 1, False, H100) == g.MCAST_SHARE_A   # one tile row: only N pairs
     # one wave or less: M fastest over all rows
-    assert g.group_rows(1024, 1024, 128, 256, g.MCAST_SHARE_B, H100) == 4
-    assert g.group_rows(8192, 8192, 128, 128, g.MCAST_NONE, H100) == 11
+    assert sm90.group_rows(1024, 1024, 128, 256, g.MCAST_SHARE_B, H100) == 4
+    assert sm90.group_rows(8192, 8192, 128, 128, g.MCAST_NONE, H100) == 11
     for bn, eb, ch, swz in ((256, 2, 64, 128), (256, 4, 32, 128), (176, 2, 16, 32), (40, 2, 8, 0), (40, 4, 8, 32),
                             (96, 4, 32, 128), (48, 2, 16, 32)):
         assert (g.epilogue_chunk(bn, eb), g.epilogue_swizzle(bn, eb)) == (ch, swz), (bn, eb)
@@ -110,18 +116,18 @@ def test_edge_maps():
     """A CTA loads an operand tile as one box (half the tile when a pair shares it); the box across the last row
     goes through an edge map of exactly the rows left (ptx/common tma_load_rows), or the main map where the rows
     are a multiple of the box."""
-    assert (g.box_rows(128, False), g.box_rows(128, True), g.box_rows(256, True)) == (128, 64, 128)
-    a = (dt.bfloat16, (4096, 777), (8192,), (64, 128), 128, 256)
-    assert g.edge_map(a, 777) == (dt.bfloat16, (4096, 777), (8192,), (64, 9), 128, 256)
-    assert g.edge_map(a, 768) is a
-    grouped = (dt.float8_e4m3, (7168, 3 * 160), (7168,), (128, 64), 128)  # 3 groups of 160 rows: 160 % 64 = 32
-    assert g.edge_map(grouped, 160)[3] == (128, 32)
+    assert (sm90.box_rows(128, False), sm90.box_rows(128, True), sm90.box_rows(256, True)) == (128, 64, 128)
+    a = MapLayout(dt.bfloat16, (4096, 777), (8192,), (64, 128), 128, 256)
+    assert sm90.edge_map(a, 777) == (dt.bfloat16, (4096, 777), (8192,), (64, 9), 128, 256)
+    assert sm90.edge_map(a, 768) is a
+    grouped = MapLayout(dt.float8_e4m3, (7168, 3 * 160), (7168,), (128, 64), 128)  # 3 groups of 160 rows
+    assert sm90.edge_map(grouped, 160).box == (128, 32)  # 160 % 64 = 32
 
 
 def test_l2_promotion():
-    assert g.l2_promotion(1, 1) == g.l2_promotion(4, 1) == 256  # unsplit: 256-byte fills
-    assert g.l2_promotion(1, 8) == 256                           # split, streamed by one reader
-    assert g.l2_promotion(2, 8) == 128                           # split, re-read from L2
+    assert sm90.l2_promotion(1, 1) == sm90.l2_promotion(4, 1) == 256  # unsplit: 256-byte fills
+    assert sm90.l2_promotion(1, 8) == 256                           # split, streamed by one reader
+    assert sm90.l2_promotion(2, 8) == 128                           # split, re-read from L2
 
 
 def test_evict_first_b():
@@ -195,17 +201,17 @@ def _check(got, ref, out_dtype):
     assert err <= (1e-4 if out_dtype in ("fp32", "float32") else 1e-2), err
 
 
-def _check_c_added_and_accumulate(rng, da, db, ref, c_dtype):
+def _check_c_added_and_accumulate(rng, da, db, ref, c_dtype, tuning=None):
     """D = A @ B^T + C into a poisoned bf16 out, then D += A @ B^T twice in place into an fp32 D."""
     m, n = ref.shape
     cm = _rand(rng, (m, n), c_dtype)
     out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
-    ck.gemm(da, db, out=out, c=DeviceArray.from_numpy(cm))
+    ck.gemm(da, db, out=out, c=DeviceArray.from_numpy(cm), tuning=tuning)
     _check(out.numpy(), ref + cm.astype(np.float64), "bf16")
     d0 = rng.standard_normal((m, n)).astype(np.float32)
     d = DeviceArray.from_numpy(d0)
     for _ in range(2):
-        assert ck.gemm(da, db, out=d, c=d) is d
+        assert ck.gemm(da, db, out=d, c=d, tuning=tuning) is d
     _check(d.numpy(), d0.astype(np.float64) + 2 * ref, "fp32")
 
 
@@ -288,41 +294,25 @@ def test_gemm_b_kn(rng, shape, dtype, out_dtype):
         _check(out.numpy(), ref, out_dtype)
 
 
-@pytest.fixture
-def forced_multicast(monkeypatch):
-    """Make the heuristic pair tiles on a given side wherever that side is legal; plans made under it are
-    dropped before and after."""
-    def force(mode):
-        def pick(m, n, bm, bn, splits, b_kn, props):
-            if mode == g.MCAST_SHARE_B and bn % 16 == 0 and not b_kn:
-                return mode
-            return mode if mode == g.MCAST_SHARE_A and bm >= 128 else g.MCAST_NONE  # halves of 64 or 96 rows
-        monkeypatch.setattr(g, "pick_multicast", pick)
-        g._plans.clear()
-    yield force
-    g._plans.clear()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [g.MCAST_SHARE_B, g.MCAST_SHARE_A])
 @pytest.mark.parametrize("shape", [(300, 520, 1040), (129, 264, 200), (385, 1000, 136), (200, 136, 2048),
                                    (1024, 2112, 512)], ids=lambda s: "x".join(map(str, s)))
-def test_cluster_pairs(rng, forced_multicast, mode, shape):
-    """2-CTA clusters with a multicast A or B, on odd tile counts (a spare tile in the last pair) and tails:
-    plain bf16 out, C added, deterministic split-K into fp32, and accumulate in place."""
-    forced_multicast(mode)
+def test_cluster_pairs(rng, mode, shape):
+    """2-CTA clusters with a multicast A or B (forced wherever that side is legal), on odd tile counts (a spare
+    tile in the last pair) and tails: plain bf16 out, C added, deterministic split-K into fp32, and accumulate in
+    place."""
+    tuning = replace(g.TUNING, force_mcast=mode)
     m, n, k = shape
     a, b = _rand(rng, (m, k), "bf16"), _rand(rng, (n, k), "bf16")
     da, db = DeviceArray.from_numpy(a), DeviceArray.from_numpy(b)
     ref = a.astype(np.float64) @ b.astype(np.float64).T
-    used = set()
     for out_dtype, split, det in (("bf16", None, False), ("fp32", 3, True), ("bf16", 4, False)):
         out = DeviceArray.empty((m, n), out_dtype).fill_bytes(0xFF)
-        ck.gemm(da, db, out=out, split_k=split, deterministic=det)
+        ck.gemm(da, db, out=out, split_k=split, deterministic=det, tuning=tuning)
         _check(out.numpy(), ref, out_dtype)
-        used |= {p.cfg.mcast for p in g._plans.values()}
-    _check_c_added_and_accumulate(rng, da, db, ref, "fp16")
-    used |= {p.cfg.mcast for p in g._plans.values()}
+    _check_c_added_and_accumulate(rng, da, db, ref, "fp16", tuning)
+    used = {p.cfg.mcast for k, p in PLANS.items("gemm") if tuning in k}
     assert mode in used  # the forced pairing really ran
 
 
@@ -336,7 +326,7 @@ def test_192_row_tiles(rng, shape):
     a, b = _rand(rng, (m, k), "bf16"), _rand(rng, (n, k), "bf16")
     da, db = DeviceArray.from_numpy(a), DeviceArray.from_numpy(b)
     ref = a.astype(np.float64) @ b.astype(np.float64).T
-    g._plans.clear()
+    PLANS.clear()
     for out_dtype, split, det in (("bf16", None, False), ("fp32", 1, False), ("bf16", 3, False), ("fp32", 5, True)):
         out = DeviceArray.empty((m, n), out_dtype).fill_bytes(0xFF)
         ck.gemm(da, db, out=out, split_k=split, deterministic=det)
@@ -345,7 +335,7 @@ def test_192_row_tiles(rng, shape):
     out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
     ck.gemm(da, DeviceArray.from_numpy(np.ascontiguousarray(b.T)), out=out, b_layout="kn")
     _check(out.numpy(), ref, "bf16")
-    assert {p.cfg.bm for p in g._plans.values()} == {192}
+    assert {p.cfg.bm for p in PLANS.values("gemm")} == {192}
 
 
 # ---- decode path (M <= 16): ptx/gemm_decode.cu --------------------------------------------------------------------
@@ -363,25 +353,19 @@ def test_decode_choices():
     assert g.pick_decode(16, 1280, 4096, H100, b_kn=True) is None
 
 
-def test_decode_grid_past_one_cta_per_sm(monkeypatch):
-    """With DECODE_MAX_FILL lifted: 32-row CTAs once they fill the SMs, 8 warps (two CTAs a SM) past one wave."""
-    monkeypatch.setattr(g, "DECODE_MAX_FILL", float("inf"))
-    monkeypatch.setattr(g, "DECODE_MAX_A_BYTES", float("inf"))
-    assert g.pick_decode(16, 4096, 8192, H100) == g.DecodeConfig(4, 16)     # 128 CTAs of 32 rows
-    assert g.pick_decode(1, 7168, 16384, H100) == g.DecodeConfig(4, 8)      # 224 CTAs: two per SM
-    assert g.pick_decode(16, 3000, 8192, H100) == g.DecodeConfig(2, 8)
+def test_decode_grid_past_one_cta_per_sm():
+    """With decode_max_fill lifted: 32-row CTAs once they fill the SMs, 8 warps (two CTAs a SM) past one wave."""
+    t = replace(g.TUNING, decode_max_fill=float("inf"), decode_max_a_bytes=float("inf"))
+    assert g.pick_decode(16, 4096, 8192, H100, tuning=t) == g.DecodeConfig(4, 16)     # 128 CTAs of 32 rows
+    assert g.pick_decode(1, 7168, 16384, H100, tuning=t) == g.DecodeConfig(4, 8)      # 224 CTAs: two per SM
+    assert g.pick_decode(16, 3000, 8192, H100, tuning=t) == g.DecodeConfig(2, 8)
 
 
-@pytest.fixture
-def decode_everywhere(monkeypatch):
-    """Route every M <= 16 shape with B as [N, K] to the decode kernel, short K and small N included."""
-    monkeypatch.setattr(g, "DECODE_MIN_K", 1)
-    monkeypatch.setattr(g, "DECODE_MIN_FILL", 0)
-    monkeypatch.setattr(g, "DECODE_MAX_FILL", float("inf"))
-    monkeypatch.setattr(g, "DECODE_MAX_A_BYTES", float("inf"))
-    g._plans.clear()
-    yield
-    g._plans.clear()
+# Every M <= 16 shape with B as [N, K] to the decode kernel, short K and small N included.
+DECODE_EVERYWHERE = replace(g.TUNING, decode_min_k=1, decode_min_fill=0, decode_max_fill=float("inf"),
+                            decode_max_a_bytes=float("inf"))
+
+
 
 
 DECODE_SHAPES = [(1, 8, 8), (3, 24, 40), (8, 1000, 72), (13, 1288, 1000), (16, 4104, 4104), (16, 2048, 8192),
@@ -391,22 +375,23 @@ DECODE_SHAPES = [(1, 8, 8), (3, 24, 40), (8, 1000, 72), (13, 1288, 1000), (16, 4
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype,out_dtype", [("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32"), ("fp16", "fp32")])
-def test_decode_matches_float64(rng, decode_everywhere, shape, dtype, out_dtype):
+def test_decode_matches_float64(rng, shape, dtype, out_dtype):
     m, n, k = shape
-    assert g.pick_decode(m, n, k, g.device_properties(0)) is not None
+    assert g.pick_decode(m, n, k, g.device_properties(0), tuning=DECODE_EVERYWHERE) is not None
     a, b = _rand(rng, (m, k), dtype), _rand(rng, (n, k), dtype)
     out = DeviceArray.empty((m, n), out_dtype).fill_bytes(0xFF)
-    ck.gemm(DeviceArray.from_numpy(a), DeviceArray.from_numpy(b), out=out)
+    ck.gemm(DeviceArray.from_numpy(a), DeviceArray.from_numpy(b), out=out, tuning=DECODE_EVERYWHERE)
     _check(out.numpy(), a.astype(np.float64) @ b.astype(np.float64).T, out_dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("c_dtype", ["bf16", "fp16", "fp32"])
-def test_decode_c_added_and_accumulate_in_place(rng, decode_everywhere, c_dtype):
+def test_decode_c_added_and_accumulate_in_place(rng, c_dtype):
     m, n, k = 11, 1032, 3000
     a, b = _rand(rng, (m, k), "bf16"), _rand(rng, (n, k), "bf16")
     da, db = DeviceArray.from_numpy(a), DeviceArray.from_numpy(b)
-    _check_c_added_and_accumulate(rng, da, db, a.astype(np.float64) @ b.astype(np.float64).T, c_dtype)
+    _check_c_added_and_accumulate(rng, da, db, a.astype(np.float64) @ b.astype(np.float64).T, c_dtype,
+                                  DECODE_EVERYWHERE)
 
 
 @pytest.mark.gpu

@@ -1,5 +1,7 @@
 """FP8 block-scaled GEMM: config heuristics and validation on the CPU; correctness against a float64 GEMM of the
 dequantized inputs on the GPU."""
+from dataclasses import replace
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -7,6 +9,7 @@ import pytest
 import cudart_kernels as ck
 from cudart_kernels.ops import gemm as g
 from cudart_kernels.ops import gemm_fp8 as f
+from cudart_kernels.runtime.plans import PLANS
 from cudart_kernels.ops.quantize import mmajor_stride
 from cudart_kernels.runtime.driver import H100
 from cudart_kernels.runtime.interop import DeviceArray
@@ -29,7 +32,7 @@ def test_config_fits_and_matches_the_kernel_layout(shape):
     assert 3 <= cfg.stages <= f.MAX_STAGES
     assert cfg.smem == f.smem_bytes(cfg.bm, cfg.bn, cfg.stages) <= H100.smem_per_block_optin
     # As many stages as fit, capped at one tile's k blocks (never below MIN_STAGES).
-    cap = min(f.MAX_STAGES, max(f.MIN_STAGES, -(-k // f.BK)))
+    cap = min(f.MAX_STAGES, max(f.TUNING.min_stages, -(-k // f.BK)))
     assert cfg.stages == cap or f.smem_bytes(cfg.bm, cfg.bn, cfg.stages + 1) > H100.smem_per_block_optin
     if cfg.splits > 1:  # one wave of (tile, split) units, every CTA of a cluster on one tile
         assert cfg.mcast == g.MCAST_NONE and cfg.bm <= 128 and cfg.cluster == cfg.splits
@@ -47,7 +50,7 @@ def test_config_choices():
     # whole-slice output buffers take the fourth one's room).
     cfg = f.pick_config(4096, 7168, 16384, H100)
     assert (cfg.bm, cfg.bn, cfg.mcast, cfg.stages) == (256, 128, g.MCAST_SHARE_A, 3)
-    assert f._tile_us(256, 128, 128, f.NORMAL) == pytest.approx(121.36)
+    assert f._tile_us(256, 128, 128, f.NORMAL, f.TUNING) == pytest.approx(121.36)
     assert f._chunk(128) == 64 and f._chunk(256) == 32
     # Short K: the fixed cost per tile counts. N = 32768, K = 512: 256 x 128 in 32 waves x 4.80 = 154 us against
     # 128 x 192 in 42 waves x 4.23 = 178 (measured 153 vs 178).
@@ -202,46 +205,30 @@ def test_gemm_fp8_from_quantize_ops(rng):
     _check(out, deq_a @ deq_b.T)
 
 
-@pytest.fixture
-def forced_multicast(monkeypatch):
-    def force(mode):
-        monkeypatch.setattr(g, "pick_multicast", lambda m, n, bm, bn, splits, b_kn, props, share_b=True:
-                            mode if (mode == g.MCAST_SHARE_B or bm % 128 == 0) else g.MCAST_NONE)
-        f._plans.clear()
-    yield force
-    f._plans.clear()
+def forced(mode=None, tile=None, splits=None):
+    """A tuning that pairs tiles on side `mode` wherever legal, runs BM x BN `tile`s and `splits` K slices."""
+    return replace(f.TUNING, force_mcast=mode, force_tile=tile, force_splits=splits)
 
 
-@pytest.fixture
-def forced_tile(monkeypatch):
-    """Run every FP8 GEMM with BM x BN tiles (the heuristic picks the rest)."""
-    def force(bm, bn):
-        orig = f.pick_config
-
-        def pick(m, n, k, props, layout=f.NORMAL, groups=1, max_bm=256):
-            c = orig(m, n, k, props, layout, groups, max_bm)
-            stages = f.max_stages(bm, bn, props.smem_per_block_optin, layout)
-            mcast = g.MCAST_NONE if c.mcast == g.MCAST_SHARE_A and bm % 128 else c.mcast  # A halves: 64 rows
-            return f.Fp8Config(bm, bn, stages, f.smem_bytes(bm, bn, stages, layout), mcast, c.group_m, layout)
-        monkeypatch.setattr(f, "pick_config", pick)
-        f._plans.clear()
-    yield force
-    f._plans.clear()
+def plans_under(tuning):
+    """The FP8 plans made with `tuning`."""
+    return [p for k, p in PLANS.items("gemm_fp8") if k[-1] is tuning]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [g.MCAST_SHARE_B, g.MCAST_SHARE_A])
 @pytest.mark.parametrize("shape", [(300, 520, 1040), (129, 264, 208), (385, 1000, 144), (1024, 2112, 512)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_gemm_fp8_cluster_pairs(rng, forced_multicast, mode, shape):
-    forced_multicast(mode)
+def test_gemm_fp8_cluster_pairs(rng, mode, shape):
+    t = forced(mode)
     m, n, k = shape
     a, sa, b, sb, ref = _operands(rng, m, n, k)
     sa_dev, keep = _mmajor(sa)
     out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
-    ck.gemm_fp8(DeviceArray.from_numpy(a), sa_dev, DeviceArray.from_numpy(b), DeviceArray.from_numpy(sb), out)
+    ck.gemm_fp8(DeviceArray.from_numpy(a), sa_dev, DeviceArray.from_numpy(b), DeviceArray.from_numpy(sb), out,
+                tuning=t)
     _check(out, ref)
-    assert mode in {p.cfg.mcast for p in f._plans.values()}  # the forced pairing really ran
+    assert mode in {p.cfg.mcast for p in plans_under(t)}  # the forced pairing really ran
 
 
 # ---- grouped layouts and the weight gradient: CPU --------------------------------------------------------------
@@ -344,9 +331,8 @@ def _rel_err(got, ref):
 @pytest.mark.parametrize("alignment", [128, 64, 256])
 @pytest.mark.parametrize("nk", [(264, 1040), (2112, 512)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_A])
-def test_grouped_contiguous(rng, forced_multicast, forced_tile, alignment, nk, mode):
-    forced_multicast(mode)
-    forced_tile(alignment, 128)
+def test_grouped_contiguous(rng, alignment, nk, mode):
+    t = forced(mode, (alignment, 128))
     n, k = nk
     tokens = [100, 0, 257, alignment, 1]  # per expert; each segment padded to `alignment` rows
     ids = []
@@ -361,7 +347,7 @@ def test_grouped_contiguous(rng, forced_multicast, forced_tile, alignment, nk, m
     sa_dev, keep = _mmajor(sa)
     ck.gemm_fp8_grouped_contiguous(DeviceArray.from_numpy(a), sa_dev, DeviceArray.from_numpy(b),
                                    DeviceArray.from_numpy(sb), DeviceArray.from_numpy(ids), out,
-                                   alignment=alignment)
+                                   alignment=alignment, tuning=t)
     got = out.numpy().astype(np.float64)
     for e in range(groups):
         rows = ids == e
@@ -369,29 +355,28 @@ def test_grouped_contiguous(rng, forced_multicast, forced_tile, alignment, nk, m
         assert np.isfinite(got[rows]).all(), f"expert {e}: rows not written"
         assert _rel_err(got[rows], ref) <= 5e-3, e
     assert np.isnan(got[ids < 0]).all(), "a padding row was written"
-    assert {p.cfg.bm for p in f._plans.values()} == {alignment}
+    assert {p.cfg.bm for p in plans_under(t)} == {alignment}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(3, 200, 264, 1040), (4, 64, 2112, 512), (2, 384, 136, 256)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_B, g.MCAST_SHARE_A])
-def test_grouped_masked(rng, forced_multicast, shape, mode):
-    forced_multicast(mode)
+def test_grouped_masked(rng, shape, mode):
     groups, m, n, k = shape
     masked = rng.integers(0, m + 1, groups).astype(np.int32)
     masked[0], masked[-1] = 0, m + 5  # an empty group, and a count above M (means M)
-    _run_masked(rng, m, n, k, masked)
+    _run_masked(rng, m, n, k, masked, forced(mode))
 
 
-def _run_masked(rng, m, n, k, masked):
+def _run_masked(rng, m, n, k, masked, tuning=None):
     """A masked GEMM of len(masked) groups of M rows on fresh data: the counted rows right, the others untouched."""
     groups = len(masked)
     a, sa = _e4m3(rng, (groups, m, k)), _scales(rng, (groups, m, -(-k // 128)))
     b, sb = _e4m3(rng, (groups, n, k)), _scales(rng, (groups, -(-n // 128), -(-k // 128)))
     out = DeviceArray.empty((groups, m, n), "bf16").fill_bytes(0xFF)
     ck.gemm_fp8_grouped_masked(DeviceArray.from_numpy(a), DeviceArray.from_numpy(sa), DeviceArray.from_numpy(b),
-                               DeviceArray.from_numpy(sb), DeviceArray.from_numpy(masked), out)
+                               DeviceArray.from_numpy(sb), DeviceArray.from_numpy(masked), out, tuning=tuning)
     got = out.numpy().astype(np.float64)
     for e in range(groups):
         rows = min(int(masked[e]), m)
@@ -408,8 +393,8 @@ def _run_masked(rng, m, n, k, masked):
                          ids=lambda s: f"{s[0]}x{s[1]}x{'-'.join(map(str, s[2]))}")
 @pytest.mark.parametrize("scales", ["mmajor", "rowmajor"])
 @pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_B])
-def test_wgrad_accumulates(rng, forced_multicast, mnks, scales, mode):
-    forced_multicast(mode)
+def test_wgrad_accumulates(rng, mnks, scales, mode):
+    t = forced(mode)
     m, n, ks = mnks
     k = sum(ks)
     a, sa = _e4m3(rng, (m, k)), _scales(rng, (m, k // 128))
@@ -422,8 +407,8 @@ def test_wgrad_accumulates(rng, forced_multicast, mnks, scales, mode):
     else:
         sa_dev, sb_dev = DeviceArray.from_numpy(sa), DeviceArray.from_numpy(sb)
     args = (DeviceArray.from_numpy(a), sa_dev, DeviceArray.from_numpy(b), sb_dev, d, ks)
-    ck.gemm_fp8_wgrad(*args)
-    ck.gemm_fp8_wgrad(*args)  # D += twice
+    ck.gemm_fp8_wgrad(*args, tuning=t)
+    ck.gemm_fp8_wgrad(*args, tuning=t)  # D += twice
     got = (d.numpy().astype(np.float64) - d0) / 2
     da, db = _deq_rows(a, sa), _deq_rows(b, sb)
     start = 0
@@ -440,44 +425,29 @@ def test_wgrad_accumulates(rng, forced_multicast, mnks, scales, mode):
 @pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_B, g.MCAST_SHARE_A])
 @pytest.mark.parametrize("tile", [(256, 128), (128, 256), (64, 256), (128, 208), (128, 240)],
                          ids=lambda t: f"{t[0]}x{t[1]}")
-def test_tall_and_wide_tiles(rng, forced_multicast, forced_tile, mode, tile):
+def test_tall_and_wide_tiles(rng, mode, tile):
     """BM = 256 (two m64 row blocks per consumer) and BN > 192 (two column halves, A from registers; 208 and 240
     columns cross three scale blocks of B): tails in M, N, K, every layout but contiguous."""
-    forced_multicast(mode)
-    forced_tile(*tile)
+    t = forced(mode, tile)
     m, n, k = 300, 520, 1040
     a, sa, b, sb, ref = _operands(rng, m, n, k)
     out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
     ck.gemm_fp8(DeviceArray.from_numpy(a), DeviceArray.from_numpy(sa), DeviceArray.from_numpy(b),
-                DeviceArray.from_numpy(sb), out)
+                DeviceArray.from_numpy(sb), out, tuning=t)
     _check(out, ref)
-    _run_masked(rng, 280, n, k, np.array([259, 100], np.int32))
+    _run_masked(rng, 280, n, k, np.array([259, 100], np.int32), t)
     ks = (256, 0, 384)
     kt = sum(ks)
     wa, wsa, wb, wsb = _e4m3(rng, (m, kt)), _scales(rng, (m, kt // 128)), _e4m3(rng, (n, kt)), _scales(rng, (n, kt // 128))
     d = DeviceArray.from_numpy(np.zeros((3, m, n), np.float32))
     ck.gemm_fp8_wgrad(DeviceArray.from_numpy(wa), DeviceArray.from_numpy(wsa), DeviceArray.from_numpy(wb),
-                      DeviceArray.from_numpy(wsb), d, ks)
+                      DeviceArray.from_numpy(wsb), d, ks, tuning=t)
     got = d.numpy().astype(np.float64)
     da, db = _deq_rows(wa, wsa), _deq_rows(wb, wsb)
     assert _rel_err(got[0], da[:, :256] @ db[:, :256].T) <= 5e-3
     assert (got[1] == 0).all()
     assert _rel_err(got[2], da[:, 256:] @ db[:, 256:].T) <= 5e-3
-    assert {(p.cfg.bm, p.cfg.bn) for p in f._plans.values()} == {tile}
-
-
-@pytest.fixture
-def forced_split(monkeypatch):
-    """Run every normal FP8 GEMM as split-K over clusters of `splits` CTAs with BM x BN tiles."""
-    def force(bm, bn, splits):
-        def pick(m, n, k, props, layout=f.NORMAL, groups=1, max_bm=256):
-            stages = f.max_stages(bm, bn, props.smem_per_block_optin, layout)
-            return f.Fp8Config(bm, bn, stages, f.smem_bytes(bm, bn, stages, layout), g.MCAST_NONE, 1, layout,
-                               splits)
-        monkeypatch.setattr(f, "pick_config", pick)
-        f._plans.clear()
-    yield force
-    f._plans.clear()
+    assert {(p.cfg.bm, p.cfg.bn) for p in plans_under(t)} == {tile}
 
 
 @pytest.mark.gpu
@@ -485,21 +455,21 @@ def forced_split(monkeypatch):
                                   (128, 256, 2), (128, 176, 4)], ids=lambda t: f"{t[0]}x{t[1]}s{t[2]}")
 @pytest.mark.parametrize("shape", [(128, 520, 2064), (77, 264, 1040), (1, 136, 384), (200, 1000, 4112)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_split_k(rng, forced_split, tile, shape):
+def test_split_k(rng, tile, shape):
     """Split-K through the cluster's shared memory: tails in M, N, K; K blocks that do not divide by the splits
     (1 x 136 x 384 with 4 or 8 splits: some CTAs get no k block); bitwise the same on a second run."""
-    forced_split(*tile)
+    t = forced(tile=tile[:2], splits=tile[2])
     m, n, k = shape
     a, sa, b, sb, ref = _operands(rng, m, n, k)
     args = [DeviceArray.from_numpy(x) for x in (a, sa, b, sb)]
     out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
-    ck.gemm_fp8(*args, out)
+    ck.gemm_fp8(*args, out, tuning=t)
     _check(out, ref)
     first = out.numpy().view(np.uint16).copy()
     out.fill_bytes(0xFF)
-    ck.gemm_fp8(*args, out)
+    ck.gemm_fp8(*args, out, tuning=t)
     assert np.array_equal(out.numpy().view(np.uint16), first)
-    plan, = f._plans.values()
+    plan, = plans_under(t)
     tiles = -(-m // tile[0]) * -(-n // tile[1])
     if plan.cfg.splits == 1:  # more tiles than clusters of this size fit at once: the plan falls back
         assert tiles * tile[2] > 64, "a split this small always fits"

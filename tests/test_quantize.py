@@ -139,17 +139,17 @@ def test_strided_input_rows(rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_per_token_row_tile_loop(rng, monkeypatch, dtype):
+def test_per_token_row_tile_loop(rng, dtype):
     """Blocks loop over row tiles when M needs more than grid.y allows (M > 65535 x rows per block); a small cap
     exercises that path on a small M."""
     from cudart_kernels.ops import quantize as qm
 
-    monkeypatch.setattr(qm, "MAX_GRID_Y", 3)
-    monkeypatch.setattr(qm, "_plans", {})
+    t = qm.QuantTuning(max_grid_y=3)
     x = ref.random_activations(rng, 1000, 264, ck.runtime.dtypes.as_dtype(dtype).numpy)
-    assert qm.token_grid(ck.runtime.dtypes.as_dtype(dtype), 1000, 264)[0][1] == 3
+    assert qm.token_grid(ck.runtime.dtypes.as_dtype(dtype), 1000, 264, tuning=t)[0][1] == 3
     q, s = _poisoned_outputs(1000, 264, 1, 128)
-    _check(ck.quantize_fp8_per_token, ref.quantize_per_token, x, DeviceArray.from_numpy(x), out=q, out_scales=s)
+    _check(ck.quantize_fp8_per_token, ref.quantize_per_token, x, DeviceArray.from_numpy(x), out=q, out_scales=s,
+           tuning=t)
 
 
 @pytest.mark.gpu

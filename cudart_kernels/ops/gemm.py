@@ -3,76 +3,74 @@ inputs, fp32 accumulation, D bf16, fp16 or fp32; split-K through TMA reduce-add;
 fp32 D."""
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
-
-from cuda.bindings import driver as cu
+from dataclasses import dataclass, field
 
 from ..runtime import dtypes as dt
-from ..runtime.driver import DeviceProperties, check, device_properties, stream_handle
+from ..runtime.driver import DeviceProperties, device_properties, stream_handle
 from ..runtime.interop import DeviceArray, as_array, require
 from ..runtime.launch import get_launcher
-from ..runtime.tensormap import AddressedMapCache
+from ..runtime.plans import PLANS
+from ..runtime.scratch import SCRATCH
+from . import sm90
+from .sm90 import MCAST_NONE, MCAST_SHARE_A, MCAST_SHARE_B, MapLayout
 
 BK = 64                      # k elements per pipeline stage (128 bytes: one 128-byte swizzle span)
 ALIGN_SLACK = 1024           # the kernel aligns its dynamic shared memory to 1024 bytes
+MAX_STAGES = 16
 _KIND = {dt.bfloat16: "KIND_BF16", dt.float16: "KIND_FP16", dt.float32: "KIND_FP32"}
 _INPUTS = (dt.bfloat16, dt.float16)
 _OUTPUTS = (dt.bfloat16, dt.float16, dt.float32)
 _ARGS = ("tmap", "tmap", "tmap", "tmap", "tmap", "ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i32", "i32",
          "i32", "i32", "i32")
-MAX_STAGES = 16
-MIN_SPLIT_STAGES = 3         # split-K configs keep at least this many stages
-MIN_KBLOCKS_PER_SPLIT = 4    # 256 k elements: below this the partial's reduce costs more than its math
-MAX_SPLITS = 128
-# M <= 64 (one consumer, B streamed once): no split when the unsplit tiles are NARROW_MIN_BN or more columns wide
-# and busy SPLIT_BELOW_FILL of the SMs. Since the A boxes load only M's rows (edge maps), such a grid streams B
-# faster than the splits: H100, same process, unsplit / split pick / decode kernel, us: 16x3072x16384 37.7 / 52.8 /
-# 52.7, 64x4096x8192 26.1 / 27.2, 16x7168x16384 81.0 / 90.3 / 90.3; at 61% of the SMs (16x2560x16384: 80 tiles)
-# it lost. 16-column tiles stream slowly even on a full grid (64x2112x16384: 132 tiles 37.7 us; 64 x 64 x 4
-# splits 27.1; cuBLAS 30.4), so they always go through the split search (docs/perf-notes.md, session 21).
-SPLIT_BELOW_FILL = 0.7
-NARROW_MIN_BN = 32
-MULTICAST = True             # let the heuristic pair CTAs in 2-CTA clusters (scripts turn it off to compare)
-MCAST_NONE, MCAST_SHARE_B, MCAST_SHARE_A = 0, 1, 2  # ptx/gemm.cu MCAST
-
-# Split-K model, fitted to a same-run sweep of forced configs on the skinny benchmark shapes (H200, CUDA-graph
-# timing, scripts/gemm_sweep.py; docs/perf-notes.md): microseconds one CTA spends per 64-deep k block for a
-# BM x BN tile. Small tiles sit on a floor (pipeline round trip), large ones approach the wgmma rate.
-_KB_US = {64: ((16, .181), (32, .185), (48, .190), (64, .205), (96, .185), (128, .206), (192, .278), (256, .353)),
-          128: ((16, .194), (32, .206), (48, .237), (64, .302), (96, .357), (128, .405), (192, .547),
-                (256, .675))}
-# 192-row tiles (three consumers): 1.5x the 128-row time, as the tensor work; with no DRAM-latency floor, this
-# model picks within 2% of the best of 100 forced 192-row configs on 18 shapes at M 144..384 (H100, perf-notes
-# session 18).
-_KB_US[192] = tuple((bn, 1.5 * us) for bn, us in _KB_US[128])
-_DRAM_EFFICIENCY = 0.82        # achieved / peak DRAM bandwidth when streaming operands
-_DRAM_LATENCY_US = 4.0         # a stage's load under load, when B streams from DRAM once (M <= BM): a CTA gets one
-                               # stage back every latency / stages (16x4096x8192: BN32 0.28 us/kb, BN128 0.49)
-_PARTIAL_BYTES_PER_S = 2e12    # fp32 partials reduce-added in L2 (refitted on the H100 with the full-grid rule
-                               # over 31 M <= 1024 shapes: pick / best forced 1.038 -> 1.022; perf-notes session 9)
-_FINISH_US_PER_32_COLS = 0.17  # the last split's finalisation, per 32 columns of a 64-row slice (fitted)
-FULL_GRID = 0.9                # a grid of units this share of the SMs counts as full
-_CLOSE = 1.05                  # estimates this close to the best: take the widest tile, then the most units
-# Programmatic dependent launch of the GEMM kernels (gemm.cu, gemm_fp8.cu): a kernel's set-up (barriers, tensor
-# maps, cluster sync) overlaps the previous kernel's tail in the stream; it waits for it before touching memory.
-PDL = True
-
-# Decode-shaped GEMMs (M <= DECODE_MAX_M, B as [N, K], split_k left to the heuristic) run ptx/gemm_decode.cu:
-# each CTA streams 8 * G rows of B over the whole of K with mma.sync, its warps splitting K and summing in shared
-# memory; no split-K workspace or counters. Every CTA also reads all of A, so the kernel pays where A is small
-# against its share of B. H100, same process, decode / the wgmma kernel's pick, us (docs/perf-notes.md, sessions
-# 15 and 21): 16x1280x4096 7.3 / 7.9, 1x2112x16384 26.6 / 28.5, 8x2048x5120 10.9 / 11.5; but 16x1280x16384 21.4 /
-# 18.8 and 16x2112x16384 31.8 / 28.1 (A read by every CTA: 512 KB each), short K (16x7168x2048 14.6 / 13.1), few
-# CTAs (16x512x8192 8.1 / 7.4), and more than one CTA per SM, where the wgmma kernel's unsplit 32-column tiles
-# fill the GPU (16x3072x16384 48.2 / 38.0, 16x4096x8192 26.8 / 25.1).
-DECODE = True                # scripts turn it off to compare with the wgmma kernel
-DECODE_MAX_M = 16
-DECODE_MIN_K = 4096
-DECODE_MIN_FILL = 0.6        # 16-row CTAs must busy this share of the SMs ...
-DECODE_MAX_FILL = 1.0        # ... and at most this share
-DECODE_MAX_A_BYTES = 128 << 10  # A (M x K, 16-bit) that every CTA reads
 _DECODE_ARGS = ("ptr", "i64", "ptr", "i64", "ptr", "i64", "ptr", "i64", "i32", "i32", "i32")
+
+
+@dataclass(frozen=True)
+class GemmTuning(sm90.Sm90Tuning):
+    """The BF16/FP16 GEMM's heuristic constants (docs/tuning.md: what each controls, how it was fitted). Pass one
+    to `gemm(tuning=...)` or the pick functions to try others; plans are cached per tuning object."""
+    min_split_stages: int = 3        # split-K configs keep at least this many stages
+    min_kblocks_per_split: int = 4   # 256 k elements: below this a partial's reduce costs more than its math
+    max_splits: int = 128
+    # M <= 64 (one consumer, B streamed once): no split where the unsplit tiles are narrow_min_bn or more columns
+    # wide and busy split_below_fill of the SMs (the A boxes load only M's rows, so such a grid streams B faster).
+    split_below_fill: float = 0.7
+    narrow_min_bn: int = 32
+    # Split-K model: microseconds one CTA spends per 64-deep k block of a BM x BN tile, (BN, us) points per BM;
+    # 192-row tiles cost 1.5x the 128-row ones (the tensor work).
+    kb_us: tuple = ((64, ((16, .181), (32, .185), (48, .190), (64, .205), (96, .185), (128, .206), (192, .278),
+                          (256, .353))),
+                    (128, ((16, .194), (32, .206), (48, .237), (64, .302), (96, .357), (128, .405), (192, .547),
+                           (256, .675))))
+    dram_efficiency: float = 0.82       # achieved / peak DRAM bandwidth when streaming operands
+    dram_latency_us: float = 4.0        # a stage's load under load when B streams from DRAM once (M <= BM)
+    partial_bytes_per_s: float = 2e12   # fp32 partials reduce-added in L2
+    finish_us_per_32_cols: float = 0.17  # the last split's finalisation, per 32 columns of a 64-row slice
+    full_grid: float = 0.9              # a grid of units this share of the SMs counts as full
+    close: float = 1.05                 # estimates this close to the best: widest tile, then most units
+    paired_factor: float = 0.95         # split candidates that pair tiles count at this share of their estimate
+    split_bm64_max_m: int = 128         # split-K up to this M searches 64-row tiles
+    bm192_max_bn: int = 192             # three consumers get 152 registers each
+    bm192_split_max_bn: int = 160
+    # Decode-shaped GEMMs (ptx/gemm_decode.cu): M <= decode_max_m, B as [N, K], split_k left to the heuristic,
+    # K >= decode_min_k, A (read by every CTA) at most decode_max_a_bytes, 16-row CTAs busy between
+    # decode_min_fill and decode_max_fill of the SMs.
+    decode: bool = True
+    decode_max_m: int = 16
+    decode_min_k: int = 4096
+    decode_min_fill: float = 0.6
+    decode_max_fill: float = 1.0
+    decode_max_a_bytes: int = 128 << 10
+    force_config: object = None  # calibration and tests: a GemmConfig every wgmma-kernel call runs
+    kb_us_table: dict = field(init=False, repr=False, compare=False, hash=False, default=None)
+
+    def __post_init__(self):
+        table = {bm: pts for bm, pts in self.kb_us}
+        table.setdefault(192, tuple((bn, 1.5 * us) for bn, us in table[128]))
+        object.__setattr__(self, "kb_us_table", table)
+
+
+TUNING = GemmTuning()
 
 
 @dataclass(frozen=True)
@@ -86,17 +84,20 @@ class DecodeConfig:
         return 32 * self.warps
 
 
-def pick_decode(m: int, n: int, k: int, props: DeviceProperties, split_k=None, b_kn: bool = False):
-    """The decode kernel's config, or None where the wgmma kernel is the better (or the only) choice (the limits
-    above: within them it is always 16-row CTAs of 16 warps). Past DECODE_MAX_FILL (tests lift it): 32-row CTAs
-    once they cover FULL_GRID of the SMs, else 16-row; 16 warps while the grid fits one CTA per SM, else 8 (two
-    fit per SM). Measured (H100, same process): 16x4096x8192 G4 x 16 warps 26.9 us, G2 x 8 28.0, G8 x 8 32.8;
+def pick_decode(m: int, n: int, k: int, props: DeviceProperties, split_k=None, b_kn: bool = False,
+                tuning: GemmTuning = TUNING):
+    """The decode kernel's config (ptx/gemm_decode.cu: each CTA streams 8 * G rows of B over the whole of K with
+    mma.sync, its warps splitting K; no split-K scratch), or None where the wgmma kernel is the better (or the
+    only) choice (`GemmTuning.decode_*`: within them it is always 16-row CTAs of 16 warps). Past decode_max_fill
+    (tests lift it): 32-row CTAs once they cover full_grid of the SMs, else 16-row; 16 warps while the grid fits
+    one CTA per SM, else 8 (two fit per SM). H100: 16x4096x8192 G4 x 16 warps 26.9 us, G2 x 8 28.0, G8 x 8 32.8;
     16x1280x8192 G2 x 16 11.7, G4 x 16 15.7, G1 x 16 17.3."""
-    if (not DECODE or m > DECODE_MAX_M or b_kn or split_k is not None or k < DECODE_MIN_K
-            or 2 * m * k > DECODE_MAX_A_BYTES
-            or not DECODE_MIN_FILL * props.sm_count <= -(-n // 16) <= DECODE_MAX_FILL * props.sm_count):
+    t = tuning
+    if (not t.decode or m > t.decode_max_m or b_kn or split_k is not None or k < t.decode_min_k
+            or 2 * m * k > t.decode_max_a_bytes
+            or not t.decode_min_fill * props.sm_count <= -(-n // 16) <= t.decode_max_fill * props.sm_count):
         return None
-    g = 4 if -(-n // 32) >= FULL_GRID * props.sm_count else 2
+    g = 4 if -(-n // 32) >= t.full_grid * props.sm_count else 2
     return DecodeConfig(g, 16 if -(-n // (8 * g)) <= props.sm_count else 8)
 
 
@@ -117,7 +118,7 @@ class GemmConfig:
     smem: int  # dynamic shared memory bytes, alignment slack included
     mcast: int = MCAST_NONE  # 2-CTA cluster pairing tiles along M (sharing B) or along N (sharing A)
     group_m: int = 1         # cluster-tile rows per group of the tile order
-    stream_b: bool = False   # B loaded with an evict-first L2 policy (`streams_b`)
+    stream_b: bool = False   # B loaded with an evict-first L2 policy (sm90.streams_b)
 
     @property
     def threads(self) -> int:
@@ -166,26 +167,16 @@ def _bn_candidates(n: int) -> list[int]:
     return sorted(b for b in cands if b <= max(16, 8 * -(-n // 8)))
 
 
-def _split_bn_candidates(n: int) -> list[int]:
+def _split_bn_candidates(n: int, tuning: GemmTuning) -> list[int]:
     """BN values the split model was fitted on (and N itself, rounded up to 8, when N is smaller)."""
-    fitted = [b for b, _ in _KB_US[64]]
+    fitted = [b for b, _ in tuning.kb_us_table[64]]
     cands = {b for b in fitted if b < n} | ({-(-n // 8) * 8} if n <= 256 else {256})
     return sorted(cands)
 
 
-def fewest_waves_bn(m: int, n: int, bm: int, candidates, props: DeviceProperties) -> int:
-    """The BN that needs the fewest waves of BM x BN tiles, then fills the last wave most, then is widest (the
-    DeepGEMM rule)."""
-    def key(bn):
-        tiles = -(-m // bm) * -(-n // bn)
-        waves = -(-tiles // props.sm_count)
-        return waves, -(tiles - (waves - 1) * props.sm_count), -bn
-    return min(candidates, key=key)
-
-
-def kblock_us(bm: int, bn: int) -> float:
+def kblock_us(bm: int, bn: int, tuning: GemmTuning = TUNING) -> float:
     """Microseconds per k block of one BM x BN unit (linear between the fitted BN points)."""
-    pts = _KB_US[bm]
+    pts = tuning.kb_us_table[bm]
     if bn <= pts[0][0]:
         return pts[0][1]
     for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
@@ -194,61 +185,23 @@ def kblock_us(bm: int, bn: int) -> float:
     return pts[-1][1] * bn / pts[-1][0]
 
 
-def split_time_us(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: DeviceProperties) -> float:
+def split_time_us(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: DeviceProperties,
+                  tuning: GemmTuning = TUNING) -> float:
     """Estimated microseconds for a config: waves of units, each streaming its k blocks (or the whole operand
     traffic at DRAM speed, when that is slower), plus the split-K partials and the last split's finalisation."""
     tiles = -(-m // bm) * -(-n // bn)
     waves = -(-tiles * splits // props.sm_count)
     kb_per_unit = -(-(-(-k // BK)) // splits)
-    per_kb = kblock_us(bm, bn)
+    per_kb = kblock_us(bm, bn, tuning)
     if m <= bm < 192:  # nothing is re-read from L2: every stage waits on DRAM (192 rows: measured without it)
-        per_kb = max(per_kb, _DRAM_LATENCY_US / max_stages(bm, bn, 4 if splits > 1 else 2, props.smem_per_block_optin))
+        stages = max_stages(bm, bn, 4 if splits > 1 else 2, props.smem_per_block_optin)
+        per_kb = max(per_kb, tuning.dram_latency_us / stages)
     main = waves * kb_per_unit * per_kb
-    dram = (m + n) * k * 2 / (props.dram_bytes_per_s * _DRAM_EFFICIENCY) * 1e6
+    dram = (m + n) * k * 2 / (props.dram_bytes_per_s * tuning.dram_efficiency) * 1e6
     t = max(main, dram)
     if splits > 1:
-        t += splits * m * n * 4 / _PARTIAL_BYTES_PER_S * 1e6 + _FINISH_US_PER_32_COLS * -(-bn // 32)
+        t += splits * m * n * 4 / tuning.partial_bytes_per_s * 1e6 + tuning.finish_us_per_32_cols * -(-bn // 32)
     return t
-
-
-# Split candidates that can pair tiles in 2-CTA clusters count at this fraction of their estimate: multicast
-# halves one operand's L2 reads and the split main loop is bound by L2 traffic (session 8), which the per-k-block
-# fit does not see. Of 27 skinny shapes only 128x128x65536 changes pick: 128x48 x 44 (18.7 us) -> 128x64 x 64
-# paired along N (17.8; cuBLAS 17.1; H100, same process, 4 rounds).
-PAIRED_FACTOR = 0.95
-# Split-K for M <= this searches 64-row tiles (one consumer; pairs share B along M) instead of 128-row ones: fewer
-# splits for the same grid, so fewer fp32 partials (H100, same process, old -> new pick, us: 128x128x65536 17.4 ->
-# 16.6, 128x2048x28672 51.2 -> 47.7, 96x256x32768 14.0 -> 13.1, 128x1024x32768 33.2 -> 31.2, 128x4096x16384 56.2
-# -> 54.2). Not at M = 256: 256x256x32768 18.8 -> 19.2, 256x512x65536 42.3 -> 46.6 (perf-notes, session 15).
-SPLIT_BM64_MAX_M = 128
-# 192-row tiles for M in 129..192 and 321..384, where 128-row ones add a row block that is mostly empty, or two
-# of three row blocks re-read B. Same process, H100, 30 shapes not used for the fit, old pick -> new (us):
-# 184x5120x1024 10.9 -> 8.1, 168x12288x12288 132.9 -> 116.2, 360x14336x2048 42.2 -> 35.4, every M <= 192 shape
-# 4-35% faster; at M 257..320 two 192-row blocks lost up to 10% (264x14336x5120 103.9 -> 115.2), so 128 stays
-# there (perf-notes, session 18). Three consumers get 152 registers: BN <= 192, and <= 160 with the split epilogue.
-BM192_MAX_BN = 192
-BM192_SPLIT_MAX_BN = 160
-
-
-def box_rows(tile_rows: int, shared: bool) -> int:
-    """The rows of an operand tile one CTA loads: all of them, or half when the pair shares the tile."""
-    return tile_rows // 2 if shared else tile_rows
-
-
-def edge_map(layout: tuple, rows: int) -> tuple:
-    """The map of an operand's box across its last row (`rows` per group; ptx/common tma_load_rows): the same
-    tensor with a box of rows % box rows, so that TMA fills no row past the tensor: its zero fill is slow (FP8,
-    H100: 160x4096x7168 28.8 us with a half-filled box, 20.7 without; docs/perf-notes.md sessions 18-20). The
-    layout itself where rows are a multiple of the box (the kernel then never uses it)."""
-    dtype, dims, strides, box, *rest = layout
-    tail = rows % box[1]
-    return layout if tail == 0 else (dtype, dims, strides, (box[0], tail), *rest)
-
-
-def operand_maps(maps: AddressedMapCache, role: str, layout: tuple, edge_layout: tuple, address: int) -> tuple:
-    """An operand's main and edge tensor maps (one cache lookup where the rows need no edge box)."""
-    main = maps.get(role, layout, address)
-    return main, main if edge_layout is layout else maps.get(role, edge_layout, address)
 
 
 def row_tile(m: int) -> int:
@@ -258,181 +211,93 @@ def row_tile(m: int) -> int:
     return 192 if 128 < m <= 192 or 320 < m <= 384 else 128
 
 
-def _bn_fits(bm: int, bn: int, splits: int) -> bool:
+def _bn_fits(bm: int, bn: int, splits: int, tuning: GemmTuning) -> bool:
     """Whether ptx/gemm.cu's BM x BN tile fits the consumers' registers."""
-    return bm != 192 or bn <= (BM192_SPLIT_MAX_BN if splits > 1 else BM192_MAX_BN)
+    return bm != 192 or bn <= (tuning.bm192_split_max_bn if splits > 1 else tuning.bm192_max_bn)
 
 
-# B loaded with an evict-first L2 policy (ptx/common/sm90.cuh l2_evict_first) when M <= this: every tile of B is
-# read by one CTA, or by the 64-row tiles of one column, which run at the same time; its stream then no longer evicts
-# A or the split-K partials. Only where a row of B is STREAM_B_MIN_ROW_BYTES or longer, and B is [N, K]. H100, same
-# process, rotating inputs, us without / with: bf16 128x8192x4096 33.7 / 30.9, 128x4096x16384 53.8 / 52.1,
-# 128x2048x28672 47.6 / 45.7; fp8 64x7168x2048 8.73 / 8.16, 128x2112x7168 11.3 / 10.8. Shorter rows: neutral to 10%
-# slower (bf16 128x32768x512 17.9 / 19.9); B as [K, N]: 128x4096x16384 60.2 / 64.7; above M = 128 split shapes lost
-# 3-13%; the masked FP8 layout: neutral (docs/perf-notes.md, session 17).
-STREAM_B_MAX_M = 128
-STREAM_B_MIN_ROW_BYTES = 2048
-
-
-def streams_b(m: int, k: int, in_bytes: int) -> bool:
-    return m <= STREAM_B_MAX_M and k * in_bytes >= STREAM_B_MIN_ROW_BYTES
-
-
-def split_candidates(m: int, n: int, k: int, bm: int, bn0: int, b_kn: bool, props: DeviceProperties) -> list:
+def split_candidates(m: int, n: int, k: int, bm: int, bn0: int, b_kn: bool, props: DeviceProperties,
+                     tuning: GemmTuning = TUNING) -> list:
     """(estimate us, BM, BN, splits) for the unsplit config (BM x bn0) and every split config whose units fit one
-    wave (`split_time_us`; paired configs at PAIRED_FACTOR of it)."""
-    split_bm = 64 if m <= SPLIT_BM64_MAX_M else bm
+    wave (`split_time_us`; paired configs at paired_factor of it). Unsplit 64-row tiles count too where they
+    fill the GPU and 128-row ones do not."""
+    t = tuning
+    split_bm = 64 if m <= t.split_bm64_max_m else bm
     k_blocks = -(-k // BK)
-    cands = [(split_time_us(m, n, k, bm, bn0, 1, props), bm, bn0, 1)]
-    for bn in _split_bn_candidates(n):
-        if max_stages(split_bm, bn, 4, props.smem_per_block_optin, b_kn) < MIN_SPLIT_STAGES:
+    cands = [(split_time_us(m, n, k, bm, bn0, 1, props, t), bm, bn0, 1)]
+    for bn in _split_bn_candidates(n, t):
+        if max_stages(split_bm, bn, 4, props.smem_per_block_optin, b_kn) < t.min_split_stages:
             continue
-        if not _bn_fits(split_bm, bn, 2):
+        if not _bn_fits(split_bm, bn, 2, t):
             continue
         tiles = -(-m // split_bm) * -(-n // bn)
-        # Unsplit 64-row tiles too, when they fill the GPU where 128-row ones do not (H100, same process, old ->
-        # new pick over the 37 shapes it changes at M 80..128, us: 128x8192x4096 30.9 -> 25.0, 128x4096x2048
-        # 11.7 -> 8.6, 96x8192x2048 18.9 -> 14.1, worst 80x4096x4096 17.2 -> 18.4; on half the SMs they lost
-        # up to 15%: 128x7168x16384 88.0 -> 96.3; perf-notes, session 17).
-        first = 1 if split_bm < bm and tiles >= FULL_GRID * props.sm_count else 2
-        for sp in range(first, min(MAX_SPLITS, k_blocks // MIN_KBLOCKS_PER_SPLIT, props.sm_count // tiles) + 1):
-            t = split_time_us(m, n, k, split_bm, bn, sp, props)
-            if MULTICAST and pick_multicast(m, n, split_bm, bn, sp, b_kn, props) != MCAST_NONE:
-                t *= PAIRED_FACTOR
-            cands.append((t, split_bm, bn, sp))
+        first = 1 if split_bm < bm and tiles >= t.full_grid * props.sm_count else 2
+        for sp in range(first, min(t.max_splits, k_blocks // t.min_kblocks_per_split, props.sm_count // tiles) + 1):
+            est = split_time_us(m, n, k, split_bm, bn, sp, props, t)
+            if sm90.pick_multicast(m, n, split_bm, bn, sp, b_kn, props, t) != MCAST_NONE:
+                est *= t.paired_factor
+            cands.append((est, split_bm, bn, sp))
     return cands
 
 
-def choose_split(cands: list, m: int, n: int, props: DeviceProperties) -> tuple:
-    """The candidate to run: among those within _CLOSE of the best estimate, the ones whose units busy nearly every
-    SM if any (more loads in flight: H100, same process, 16x4096x8192 64x128 x 4, 128 units, 29.2-30.0 us against
-    64x192 x 4, 88 units, 32.5; 256x512x65536 128x128 x 16, 128 units, 43.3 against 128x192 x 16, 96 units,
-    47.5), then the widest tile, then the most units (wide tiles stream DRAM better; the estimates of DRAM-bound
-    configs are nearly equal)."""
+def choose_split(cands: list, m: int, n: int, props: DeviceProperties, tuning: GemmTuning = TUNING) -> tuple:
+    """The candidate to run: among those within `close` of the best estimate, the ones whose units busy nearly
+    every SM if any (more loads in flight), then the widest tile, then the most units (wide tiles stream DRAM
+    better; the estimates of DRAM-bound configs are nearly equal)."""
     best = min(c[0] for c in cands)
-    close = [c for c in cands if c[0] <= _CLOSE * best]
-    full = [c for c in close if -(-m // c[1]) * -(-n // c[2]) * c[3] >= FULL_GRID * props.sm_count]
+    close = [c for c in cands if c[0] <= tuning.close * best]
+    full = [c for c in close if -(-m // c[1]) * -(-n // c[2]) * c[3] >= tuning.full_grid * props.sm_count]
     return max(full or close, key=lambda c: (c[2], c[3]))
 
 
 def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, split_k: int | None = None,
-                accumulate: bool = False, b_kn: bool = False) -> GemmConfig:
+                accumulate: bool = False, b_kn: bool = False, tuning: GemmTuning = TUNING) -> GemmConfig:
     """Block shape, stages and split-K count.
 
     Without split-K (enough tiles to fill the GPU, or split_k=1): BM is 64 for M <= 64, 192 for M in 129..192
-    and 321..384, else 128 (`row_tile`; split-K searches 64-row tiles up to M = SPLIT_BM64_MAX_M); BN runs over
+    and 321..384, else 128 (`row_tile`; split-K searches 64-row tiles up to split_bm64_max_m); BN runs over
     multiples of 16 up to 256 (192 for 192-row tiles) and N rounded up to 8 when N is small; fewer waves win, then
-    a fuller last wave, then the larger tile (the DeepGEMM approach). When the tiles do not fill the GPU, (BN,
-    splits) pairs are compared with a throughput model (`_split_time`). `split_k` forces the count. Stages fill
-    the smem budget.
+    a fuller last wave, then the larger tile. When the tiles do not fill the GPU, (BN, splits) pairs are compared
+    with a throughput model (`split_time_us`). `split_k` forces the count. Stages fill the smem budget.
     """
+    t = tuning
+    if t.force_config is not None:
+        return t.force_config
     bm = row_tile(m)
     k_blocks = -(-k // BK)
     budget = props.smem_per_block_optin
     epi_plain = 4 if accumulate else out_bytes
-
-    def no_split():
-        return fewest_waves_bn(m, n, bm, [b for b in _bn_candidates(n) if _bn_fits(bm, b, 1)
+    splits = max(1, min(int(split_k), k_blocks)) if split_k is not None else 1
+    bn0 = sm90.fewest_waves_bn(m, n, bm, [b for b in _bn_candidates(n) if _bn_fits(bm, b, 1, t)
                                           and max_stages(bm, b, epi_plain, budget, b_kn) >= 2], props)
-
-    if split_k is not None:
-        splits = max(1, min(int(split_k), k_blocks))
-    else:
-        splits = 1
-    bn0 = no_split()
-    if split_k is None and not unsplit_fills(m, n, bm, bn0, props) and k_blocks >= 2 * MIN_KBLOCKS_PER_SPLIT:
-        _, bm, bn, splits = choose_split(split_candidates(m, n, k, bm, bn0, b_kn, props), m, n, props)
+    if split_k is None and not unsplit_fills(m, n, bm, bn0, props, t) and k_blocks >= 2 * t.min_kblocks_per_split:
+        _, bm, bn, splits = choose_split(split_candidates(m, n, k, bm, bn0, b_kn, props, t), m, n, props, t)
     elif splits > 1:  # forced count: fewest waves of units, then the larger tile
-        fits = [b for b in _bn_candidates(n) if _bn_fits(bm, b, splits) and max_stages(bm, b, 4, budget, b_kn) >= 2]
+        fits = [b for b in _bn_candidates(n)
+                if _bn_fits(bm, b, splits, t) and max_stages(bm, b, 4, budget, b_kn) >= 2]
         bn = min(fits, key=lambda b: (-(-(-(-m // bm) * -(-n // b) * splits) // props.sm_count), -b))
     else:
         bn = bn0
-    return make_config(m, n, k, out_bytes, props, bm, bn, splits, accumulate, b_kn)
+    return make_config(m, n, k, out_bytes, props, bm, bn, splits, accumulate, b_kn, t)
 
 
-def unsplit_fills(m: int, n: int, bm: int, bn: int, props: DeviceProperties) -> bool:
+def unsplit_fills(m: int, n: int, bm: int, bn: int, props: DeviceProperties, tuning: GemmTuning = TUNING) -> bool:
     """Whether BM x BN tiles keep the GPU busy without split-K: a wave of them, or for M <= 64 (a single
-    consumer streaming B) tiles of NARROW_MIN_BN or more columns on SPLIT_BELOW_FILL of the SMs."""
+    consumer streaming B) tiles of narrow_min_bn or more columns on split_below_fill of the SMs."""
     tiles = -(-m // bm) * -(-n // bn)
     if bm == 64:
-        return bn >= NARROW_MIN_BN and tiles >= SPLIT_BELOW_FILL * props.sm_count
+        return bn >= tuning.narrow_min_bn and tiles >= tuning.split_below_fill * props.sm_count
     return tiles >= props.sm_count
 
 
 def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, bm: int, bn: int, splits: int,
-                accumulate: bool = False, b_kn: bool = False) -> GemmConfig:
+                accumulate: bool = False, b_kn: bool = False, tuning: GemmTuning = TUNING) -> GemmConfig:
     """The full config of a BM x BN tile with `splits` K slices: stages fill the budget, pairs, tile order."""
     epi = 4 if (splits > 1 or accumulate) else out_bytes
     stages = max_stages(bm, bn, epi, props.smem_per_block_optin, b_kn)
-    mcast = pick_multicast(m, n, bm, bn, splits, b_kn, props) if MULTICAST else MCAST_NONE
+    mcast = sm90.pick_multicast(m, n, bm, bn, splits, b_kn, props, tuning)
     return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn), mcast,
-                      group_rows(m, n, bm, bn, mcast, props), streams_b(m, k, 2) and not b_kn)
-
-
-def cluster_tiles(m: int, n: int, bm: int, bn: int, mcast: int) -> tuple[int, int]:
-    """Cluster tiles along M and N (ptx/gemm.cu cl_tiles_m / cl_tiles_n): a pair of tiles along M (sharing B)
-    or along N (sharing A) under multicast, else one tile; an odd count leaves a spare tile in the last pair."""
-    tiles_m, tiles_n = -(-m // bm), -(-n // bn)
-    if mcast == MCAST_SHARE_B:
-        return -(-tiles_m // 2), tiles_n
-    if mcast == MCAST_SHARE_A:
-        return tiles_m, -(-tiles_n // 2)
-    return tiles_m, tiles_n
-
-
-def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, props: DeviceProperties,
-                   share_b: bool = True) -> int:
-    """Pair tiles in 2-CTA clusters when it adds no wave: along M sharing B (halves the B reads), or along N
-    sharing A; the side whose half-tile saves more bytes wins. Each half must be whole 8-row swizzle atoms, and B
-    as [K, N] is never shared (it comes in panels), nor, with `share_b` False, at all."""
-    tiles_m, tiles_n = -(-m // bm), -(-n // bn)
-    slots = props.sm_count - props.sm_count % 2
-
-    def waves(mcast):
-        cl_m, cl_n = cluster_tiles(m, n, bm, bn, mcast)
-        return -(-cl_m * cl_n * (2 if mcast else 1) * splits // slots)
-
-    best, saved = MCAST_NONE, 0
-    if share_b and not b_kn and bn % 16 == 0 and tiles_m >= 2 and waves(MCAST_SHARE_B) <= waves(MCAST_NONE):
-        best, saved = MCAST_SHARE_B, bn
-    if bm % 128 == 0 and tiles_n >= 2 and waves(MCAST_SHARE_A) <= waves(MCAST_NONE) and bm > saved:
-        best = MCAST_SHARE_A
-    return best
-
-
-def persistent_grid(launch, m: int, n: int, bm: int, bn: int, mcast: int, splits: int, smem: int,
-                    props: DeviceProperties) -> tuple:
-    """One CTA per work unit up to one per SM; under multicast, whole 2-CTA clusters, all resident at once
-    (the split-K turnstile relies on it)."""
-    if not mcast:
-        return (max(1, min(-(-m // bm) * -(-n // bn) * splits, props.sm_count)), 1, 1)
-    cl_m, cl_n = cluster_tiles(m, n, bm, bn, mcast)
-    clusters = min(cl_m * cl_n * splits, props.sm_count // 2, launch.max_active_clusters())
-    if clusters < 1:
-        raise RuntimeError(f"no 2-CTA cluster of {smem} bytes of shared memory fits this device")
-    return (2 * clusters, 1, 1)
-
-
-def group_rows(m: int, n: int, bm: int, bn: int, mcast: int, props: DeviceProperties) -> int:
-    """Cluster-tile rows per group of the tile order. A wave covers about `group x (wave / group)` cluster tiles;
-    the group that minimises the A rows plus B rows a wave reads is sqrt(wave * tile_n / tile_m). When all
-    tiles fit in one wave the order does not matter (one group: M fastest)."""
-    cl_bm = bm * (2 if mcast == MCAST_SHARE_B else 1)
-    cl_bn = bn * (2 if mcast == MCAST_SHARE_A else 1)
-    cl_tiles_m, cl_tiles_n = cluster_tiles(m, n, bm, bn, mcast)
-    wave = props.sm_count // (2 if mcast else 1)
-    if cl_tiles_m * cl_tiles_n <= wave:
-        return cl_tiles_m
-    return max(1, min(cl_tiles_m, round((wave * cl_bn / cl_bm) ** 0.5)))
-
-
-def l2_promotion(readers: int, splits: int) -> int:
-    """TMA L2 promotion (bytes an L2 miss fetches) for an operand map. 256 by default: wide DRAM bursts, and the
-    extra 128 bytes are the same rows' next k block. 128 for an operand of a split-K config that several CTAs re-read
-    (`readers` tile columns for A, tile rows for B): there the whole grid runs at once and is bound by L2 traffic,
-    and one-row fills cut it (H100, same process: 512x512x65536 69.0 -> 65.7 us, 256x256x32768 22.1 -> 20.9; on
-    unsplit shapes 128 lost up to 4%: docs/perf-notes.md, session 8)."""
-    return 128 if splits > 1 and readers > 1 else 256
+                      sm90.group_rows(m, n, bm, bn, mcast, props), sm90.streams_b(m, k, 2, tuning) and not b_kn)
 
 
 def _defines(in_dtype, out_dtype, cfg: GemmConfig, epi: str = "EPI_STORE", c_dtype=None,
@@ -497,49 +362,7 @@ def variants():
     return list(seen.values())
 
 
-class _PerThread(threading.local):
-    def __init__(self):
-        self.maps = AddressedMapCache()
-
-
-_local = _PerThread()
-_plans: dict = {}
-
-
-class _Workspace:
-    """Split-K scratch per (device, stream): an fp32 buffer and int32 counters, zero between launches (the kernel
-    re-zeroes what it used). Grown on demand; growing is not possible while a stream captures a CUDA graph."""
-
-    def __init__(self):
-        self.w = self.counters = None
-        self.w_elems = self.n_counters = 0
-
-    def ensure(self, w_elems: int, n_counters: int, device: int, stream) -> None:
-        if w_elems > self.w_elems:
-            self.w_elems = max(w_elems, 1 << 20)
-            self.w = DeviceArray.empty((self.w_elems,), dt.float32, device, stream)
-            check(cu.cuMemsetD32Async(self.w.ptr, 0, self.w_elems, self.w.stream))
-        if n_counters > self.n_counters:
-            self.n_counters = max(n_counters, 4096)
-            self.counters = DeviceArray.empty((self.n_counters,), dt.int32, device, stream)
-            check(cu.cuMemsetD32Async(self.counters.ptr, 0, self.n_counters, self.counters.stream))
-
-
-_workspaces: dict = {}
-_ws_lock = threading.Lock()
-
-
-def _workspace(device: int, h: int) -> _Workspace:
-    ws = _workspaces.get((device, h))
-    if ws is None:
-        with _ws_lock:
-            ws = _workspaces.setdefault((device, h), _Workspace())
-    return ws
-
-
-def _same_memory(x: DeviceArray, y: DeviceArray) -> bool:
-    return x.ptr == y.ptr and x.shape == y.shape and x.strides == y.strides and x.dtype is y.dtype
-
+# ---- plans and launch -------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class _Plan:
@@ -547,35 +370,14 @@ class _Plan:
     epi: str
     launch: object
     grid: tuple
-    map_a: tuple       # tensor-map layouts (dtype, dims, strides, box, swizzle, L2 promotion)
-    map_b: tuple
-    map_a_edge: tuple  # the boxes across M and N (`edge_map`)
-    map_b_edge: tuple
-    map_out: tuple
+    map_a: MapLayout
+    map_b: MapLayout
+    map_a_edge: MapLayout  # the boxes across M and N (`sm90.edge_map`)
+    map_b_edge: MapLayout
+    map_out: MapLayout
     ld_w: int
-    n_counters: int
-    workspace: bool    # needs the split-K workspace / counters
+    scratch: tuple     # (slot, bytes, zeroed) for the split-K workspace and counters; () when none
     uses_c: bool       # C is read (not accumulate-in-place)
-
-
-def _validate(av, bv, dv, cv, b_kn=False):
-    require(av, "a", dtypes=_INPUTS, ndim=2)
-    require(bv, "b", dtypes=_INPUTS, ndim=2)
-    if bv.dtype is not av.dtype:
-        raise TypeError(f"a and b must have the same dtype, got {av.dtype.name} and {bv.dtype.name}")
-    m, k = av.shape
-    kb, n = bv.shape if b_kn else bv.shape[::-1]
-    if kb != k:
-        layout = "[K, N]" if b_kn else "[N, K]"
-        raise ValueError(f"a is [M, K] = {av.shape} but b is {layout} = {bv.shape}: K differs")
-    require(dv, "out", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
-    if cv is not None:
-        require(cv, "c", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
-    for name, x in (("b", bv), ("out", dv), ("c", cv)):
-        if x is not None and x.device != av.device:
-            raise ValueError(f"{name} is on cuda:{x.device} but a is on cuda:{av.device}")
-    if k == 0:
-        raise ValueError("K must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -586,17 +388,44 @@ class _DecodePlan:
     uses_c: bool
 
 
-def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, props):
-    _validate(av, bv, dv, cv, b_kn)
+def _check_inputs(av, bv, cv, b_kn: bool) -> tuple[int, int, int]:
+    """Validate A, B and C (everything but the output); return (M, N, K)."""
+    require(av, "a", dtypes=_INPUTS, ndim=2)
+    require(bv, "b", dtypes=_INPUTS, ndim=2)
+    if bv.dtype is not av.dtype:
+        raise TypeError(f"a and b must have the same dtype, got {av.dtype.name} and {bv.dtype.name}")
     m, k = av.shape
-    n = dv.shape[1]
-    dc = pick_decode(m, n, k, props, split_k, b_kn)
+    kb, n = bv.shape if b_kn else bv.shape[::-1]
+    if kb != k:
+        layout = "[K, N]" if b_kn else "[N, K]"
+        raise ValueError(f"a is [M, K] = {av.shape} but b is {layout} = {bv.shape}: K differs")
+    if k == 0:
+        raise ValueError("K must be at least 1")
+    if cv is not None:
+        require(cv, "c", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
+    for name, x in (("b", bv), ("c", cv)):
+        if x is not None and x.device != av.device:
+            raise ValueError(f"{name} is on cuda:{x.device} but a is on cuda:{av.device}")
+    return m, n, k
+
+
+def _check_out(dv, m: int, n: int, device: int) -> None:
+    require(dv, "out", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
+    if dv.device != device:
+        raise ValueError(f"out is on cuda:{dv.device} but a is on cuda:{device}")
+
+
+def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: GemmTuning):
+    m, n, k = _check_inputs(av, bv, None if accumulate else cv, b_kn)
+    _check_out(dv, m, n, av.device)
+    props = device_properties(av.device)
+    dc = pick_decode(m, n, k, props, split_k, b_kn, tuning)
     if dc is not None:  # bitwise reproducible by construction, so `deterministic` needs nothing more
         defines = _decode_defines(av.dtype, dv.dtype, dc, None if cv is None else cv.dtype)
         launch = get_launcher("gemm_decode.cu", "gemm_decode_kernel", defines, av.device, _DECODE_ARGS,
-                              (dc.threads,), 0, pdl=PDL)
+                              (dc.threads,), 0, pdl=tuning.pdl)
         return _DecodePlan(dc, launch, (-(-n // (8 * dc.g)), 1, 1), cv is not None)
-    cfg = pick_config(m, n, k, dv.dtype.itemsize, props, split_k, accumulate, b_kn)
+    cfg = pick_config(m, n, k, dv.dtype.itemsize, props, split_k, accumulate, b_kn, tuning)
     if accumulate:
         epi = "EPI_ACCUMULATE"
     elif cfg.splits > 1:
@@ -607,43 +436,55 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, props):
     c_dtype = cv.dtype if (cv is not None and not accumulate) else None
     defines = _defines(av.dtype, dv.dtype, cfg, epi, c_dtype, det, b_kn)
     launch = get_launcher("gemm.cu", "gemm_kernel", defines, av.device, _ARGS, (cfg.threads,), cfg.smem,
-                          cluster=(cfg.cluster, 1, 1) if cfg.mcast else None, pdl=PDL)
+                          cluster=(cfg.cluster, 1, 1) if cfg.mcast else None, pdl=tuning.pdl)
     tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
-    grid = persistent_grid(launch, m, n, cfg.bm, cfg.bn, cfg.mcast, cfg.splits, cfg.smem, props)
+    grid = sm90.persistent_grid(launch, m, n, cfg.bm, cfg.bn, cfg.mcast, cfg.splits, cfg.smem, props)
     it = av.dtype.itemsize
     ld_w = -(-n // 4) * 4
-    cl_m, cl_n = cluster_tiles(m, n, cfg.bm, cfg.bn, cfg.mcast)
-    map_a = (av.dtype, (k, m), (av.strides[0] * it,), (BK, box_rows(cfg.bm, cfg.mcast == MCAST_SHARE_A)), 128,
-             l2_promotion(cl_n, cfg.splits))
+    cl_m, cl_n = sm90.cluster_tiles(m, n, cfg.bm, cfg.bn, cfg.mcast)
+    map_a = MapLayout(av.dtype, (k, m), (av.strides[0] * it,), (BK, sm90.box_rows(cfg.bm, cfg.mcast == MCAST_SHARE_A)),
+                      128, sm90.l2_promotion(cl_n, cfg.splits))
     if b_kn:  # [K, N]: boxes of 64 N x 64 K, loaded panel by panel (no edge map)
-        map_b = map_b_edge = (bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128, l2_promotion(cl_m, cfg.splits))
+        map_b = map_b_edge = MapLayout(bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128,
+                                       sm90.l2_promotion(cl_m, cfg.splits))
     else:
-        map_b = (bv.dtype, (k, n), (bv.strides[0] * it,), (BK, box_rows(cfg.bn, cfg.mcast == MCAST_SHARE_B)), 128,
-                 l2_promotion(cl_m, cfg.splits))
-        map_b_edge = edge_map(map_b, n)
+        map_b = MapLayout(bv.dtype, (k, n), (bv.strides[0] * it,),
+                          (BK, sm90.box_rows(cfg.bn, cfg.mcast == MCAST_SHARE_B)), 128,
+                          sm90.l2_promotion(cl_m, cfg.splits))
+        map_b_edge = sm90.edge_map(map_b, n)
     epi_bytes = 4 if epi != "EPI_STORE" else dv.dtype.itemsize
     box_out = (epilogue_chunk(cfg.bn, epi_bytes), 64)
     swz = epilogue_swizzle(cfg.bn, epi_bytes)
     if epi == "EPI_SPLIT":
-        map_out = (dt.float32, (n, m), (ld_w * 4,), box_out, swz)
+        map_out = MapLayout(dt.float32, (n, m), (ld_w * 4,), box_out, swz)
     else:
-        map_out = (dv.dtype, (n, m), (dv.strides[0] * dv.dtype.itemsize,), box_out, swz)
-    workspace = epi == "EPI_SPLIT" or (epi == "EPI_ACCUMULATE" and det)
-    return _Plan(cfg, epi, launch, grid, map_a, map_b, edge_map(map_a, m), map_b_edge, map_out, ld_w,
-                 tiles * (cfg.bm // 64), workspace, c_dtype is not None)
+        map_out = MapLayout(dv.dtype, (n, m), (dv.strides[0] * dv.dtype.itemsize,), box_out, swz)
+    counters = ("splitk_counters", tiles * (cfg.bm // 64) * 4, True)  # one int per 64-row slice of every tile
+    if epi == "EPI_SPLIT":
+        scratch = (("splitk_partials", m * ld_w * 4, True), counters)
+    elif epi == "EPI_ACCUMULATE" and det:
+        scratch = (counters,)
+    else:
+        scratch = ()
+    return _Plan(cfg, epi, launch, grid, map_a, map_b, sm90.edge_map(map_a, m), map_b_edge, map_out, ld_w,
+                 scratch, c_dtype is not None)
+
+
+def _same_memory(x: DeviceArray, y: DeviceArray) -> bool:
+    return x.ptr == y.ptr and x.shape == y.shape and x.strides == y.strides and x.dtype is y.dtype
 
 
 def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, deterministic: bool = False,
-         out_dtype=None, stream=None):
+         out_dtype=None, stream=None, tuning: GemmTuning | None = None):
     """D = A @ B^T (+ C).
 
     A [M, K] and B [N, K] (or B [K, N] with b_layout="kn": D = A @ B), both bf16 or both fp16, fp32 accumulation.
     D [M, N] in `out`'s dtype (or `out_dtype`, default the input dtype): bf16, fp16 or fp32. `c` [M, N] (bf16,
     fp16 or fp32) is added; with `c is out` and an fp32 `out`, D += A @ B^T accumulates in place through TMA
-    reduce-add. `split_k` forces the split count
-    (None: the heuristic decides; 1: off); `deterministic=True` makes split-K bitwise reproducible (K order).
-    Rows must be 16-byte aligned (K and N multiples of 8 for 16-bit data); every M, N, K tail is handled in the
-    kernel. Runs on `stream`; returns `out` (allocated when None).
+    reduce-add. `split_k` forces the split count (None: the heuristic decides; 1: off); `deterministic=True`
+    makes split-K bitwise reproducible (K order). Rows must be 16-byte aligned (K and N multiples of 8 for
+    16-bit data); every M, N, K tail is handled in the kernel. Runs on `stream`; returns `out` (allocated when
+    None). `tuning`: the heuristic's constants (default `TUNING`). Inside a CUDA graph capture, pass `out`.
     """
     if b_layout not in ("nk", "kn"):
         raise ValueError(f"b_layout must be 'nk' (B is [N, K]) or 'kn' (B is [K, N]), got {b_layout!r}")
@@ -654,48 +495,46 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
     av = as_array(a, h)
     bv = as_array(b, h)
     if out is None:
-        require(av, "a", dtypes=_INPUTS, ndim=2)
-        require(bv, "b", dtypes=_INPUTS, ndim=2)
+        cv = None if c is None else as_array(c, h)
+        m, n, _ = _check_inputs(av, bv, cv, b_kn)
         od = dt.as_dtype(out_dtype) if out_dtype is not None else av.dtype
         if od not in _OUTPUTS:
             raise TypeError(f"out_dtype {od.name} not supported (bfloat16, float16, float32)")
-        dv = DeviceArray.empty((av.shape[0], bv.shape[1] if b_kn else bv.shape[0]), od, av.device, stream)
+        dv = DeviceArray.empty((m, n), od, av.device, stream)
     else:
         dv = as_array(out, h)
-    cv = None if c is None else (dv if c is out else as_array(c, h))
+        cv = None if c is None else (dv if c is out else as_array(c, h))
     accumulate = cv is not None and dv.dtype is dt.float32 and _same_memory(cv, dv)
-    key = (av.shape, av.strides, av.dtype, av.ptr & 15, bv.shape, bv.strides, bv.dtype, bv.ptr & 15, dv.shape,
-           dv.strides, dv.dtype, dv.ptr & 15, None if cv is None else (cv.shape, cv.strides, cv.dtype, cv.ptr & 15,
-           accumulate), split_k, deterministic, b_kn, av.device, bv.device, dv.device,
-           None if cv is None else cv.device)
-    plan = _plans.get(key)
+    key = ("gemm", sm90.array_key(av), sm90.array_key(bv), sm90.array_key(dv),
+           None if cv is None else (sm90.array_key(cv), accumulate), split_k, deterministic, b_kn, tuning)  # (None: the default, unhashed)
+    plan = PLANS.get(key)
     if plan is None:
-        if len(_plans) > 1024:
-            _plans.clear()
-        if av.ndim == 2 and bv.ndim == 2 and dv.ndim == 2 and (dv.shape[0] == 0 or dv.shape[1] == 0):
-            _validate(av, bv, dv, cv, b_kn)
+        if dv.ndim == 2 and 0 in dv.shape:
+            _check_inputs(av, bv, None if accumulate else cv, b_kn)
+            _check_out(dv, av.shape[0], bv.shape[1] if b_kn else bv.shape[0], av.device)
             return dv if out is None else out
-        plan = _plans[key] = _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn,
-                                   device_properties(av.device))
-    if isinstance(plan, _DecodePlan):
-        c_ptr, ld_c = (cv.ptr, cv.strides[0]) if plan.uses_c else (0, 0)
+        plan = PLANS.add(key, _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning or TUNING))
+    c_ptr, ld_c = (cv.ptr, cv.strides[0]) if plan.uses_c else (0, 0)
+    if type(plan) is _DecodePlan:
         plan.launch(plan.grid, h, av.ptr, av.strides[0], bv.ptr, bv.strides[0], dv.ptr, dv.strides[0], c_ptr, ld_c,
                     av.shape[0], dv.shape[1], av.shape[1])
         return dv if out is None else out
-    maps = _local.maps
+    maps = sm90.thread_maps()
+    map_a, map_a_edge = sm90.operand_maps(maps, "a", plan.map_a, plan.map_a_edge, av.ptr)
+    map_b, map_b_edge = sm90.operand_maps(maps, "b", plan.map_b, plan.map_b_edge, bv.ptr)
     w_ptr = counters = 0
-    if plan.workspace:
-        ws = _workspace(av.device, h)
-        ws.ensure(dv.shape[0] * plan.ld_w if plan.epi == "EPI_SPLIT" else 0, plan.n_counters, av.device, stream)
-        counters = ws.counters.ptr
+    release = None
+    if plan.scratch:
+        ptrs, release = SCRATCH.acquire(av.device, h, plan.scratch)
+        counters = ptrs[-1]
         if plan.epi == "EPI_SPLIT":
-            w_ptr = ws.w.ptr
-    out_ptr = w_ptr if plan.epi == "EPI_SPLIT" else dv.ptr
-    c_ptr, ld_c = (cv.ptr, cv.strides[0]) if plan.uses_c else (0, 0)
-    m, k = av.shape
-    map_a, map_a_edge = operand_maps(maps, "a", plan.map_a, plan.map_a_edge, av.ptr)
-    map_b, map_b_edge = operand_maps(maps, "b", plan.map_b, plan.map_b_edge, bv.ptr)
-    plan.launch(plan.grid, h, map_a, map_b, map_a_edge, map_b_edge, maps.get("out", plan.map_out, out_ptr), dv.ptr,
-                dv.strides[0], w_ptr, plan.ld_w, c_ptr, ld_c, counters, m, dv.shape[1], k, plan.cfg.splits,
-                plan.cfg.group_m)
+            w_ptr = ptrs[0]
+    map_out = maps.get("out", plan.map_out, w_ptr if plan.epi == "EPI_SPLIT" else dv.ptr)
+    try:
+        plan.launch(plan.grid, h, map_a, map_b, map_a_edge, map_b_edge, map_out, dv.ptr, dv.strides[0], w_ptr,
+                    plan.ld_w, c_ptr, ld_c, counters, av.shape[0], dv.shape[1], av.shape[1], plan.cfg.splits,
+                    plan.cfg.group_m)
+    finally:
+        if release is not None:
+            release()
     return dv if out is None else out

@@ -5,23 +5,21 @@ rows per expert, masked per-expert batches) and the K-grouped weight gradient wi
 accumulated into an fp32 D. One kernel, ptx/gemm_fp8.cu, compiled per layout."""
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, replace
-
-import numpy as np
 
 from ..runtime import dtypes as dt
 from ..runtime.driver import DeviceProperties, device_properties, stream_handle
 from ..runtime.interop import DeviceArray, as_array, require
 from ..runtime.launch import get_launcher
-from . import gemm as _gemm
+from ..runtime.plans import PLANS
+from ..runtime.scratch import SCRATCH
+from . import sm90
 from .quantize import mmajor_stride
+from .sm90 import MCAST_NONE, MCAST_SHARE_A, MCAST_SHARE_B, MapLayout
 
 BK = 128                 # k per stage: 128 e4m3 bytes, one scale block
 MAX_BN = 256             # above 192 a k block runs as two column halves through one scratch set (A in registers)
-MAX_BN_MEMORY_BOUND = 192  # one wave of 256-wide tiles ran 10-25% slower than two of 128 (docs/perf-notes.md)
 MAX_STAGES = 12
-MIN_STAGES = 4  # the stage cap of pick_config never goes below this
 ALIGN_SLACK = 1024
 _ARGS = ("tmap", "tmap", "tmap", "tmap", "tmap", "tmap", "tmap", "ptr", "i64", "i64", "i64", "ptr", "ptr", "i64",
          "i32", "i32", "i32", "i32", "i32")
@@ -29,6 +27,43 @@ _ARGS = ("tmap", "tmap", "tmap", "tmap", "tmap", "tmap", "tmap", "ptr", "i64", "
 NORMAL, CONTIGUOUS, MASKED, KGROUPED = "LAYOUT_NORMAL", "LAYOUT_CONTIGUOUS", "LAYOUT_MASKED", "LAYOUT_KGROUPED"
 _CONVERT_ARGS = ("ptr", "i64", "i64", "ptr", "i64", "i32", "i32")
 _CONVERT_THREADS = 256
+_FILL_ARGS = ("ptr", "i32", "i32[512]")  # ptx/fill.cu
+_FILL_MAX = 512
+
+
+@dataclass(frozen=True)
+class Fp8Tuning(sm90.Sm90Tuning):
+    """The FP8 GEMMs' heuristic constants (docs/tuning.md: what each controls, how it was fitted). Pass one to
+    the ops' `tuning=` or to `pick_config`; plans are cached per tuning object."""
+    max_bn_memory_bound: int = 192  # one wave of 256-wide tiles ran 10-25% slower than two of 128
+    min_stages: int = 4             # the stage cap at one tile's k blocks never goes below this
+    # Time of one tile in a wave, microseconds: ((BM, BN), (fixed, per 128-deep k block)); other widths of
+    # 128-row tiles scale 128 x 128 per column and k block by bn_cost (bn_cost_wgrad for the weight gradient).
+    tile_us: tuple = (((128, 128), (1.12, 0.514)), ((128, 192), (1.23, 0.751)), ((128, 256), (1.93, 1.057)),
+                      ((256, 128), (1.04, 0.94)))
+    bn_cost: tuple = ((64, 1.35), (96, 1.27), (160, 1.06))
+    bn_cost_wgrad: tuple = ((64, 1.35), (96, 1.27), (128, 1.0), (160, 1.06), (192, 0.85), (256, 0.9))
+    # One row of 128-row tiles: 64-row tiles of up to narrow_rows_max_bn columns where they stream at most
+    # narrow_rows_gain of the fill per CTA.
+    narrow_rows_max_bn: int = 64
+    narrow_rows_gain: float = 0.85
+    # Split-K in two where it cuts each CTA's fill to split_gain or less, K >= split_min_k, and B is at most
+    # split_max_b_bytes (split_wide_max_b_bytes where the unsplit tiles are split_wide_bn or more columns wide and
+    # busy half the SMs); one row of tiles at least unsplit_min_bn wide that busies unsplit_fill of the SMs (and
+    # M >= unsplit_min_m) does not split.
+    split_gain: float = 0.67
+    split_max_b_bytes: int = 64 << 20
+    split_wide_max_b_bytes: int = 32 << 20
+    split_wide_bn: int = 48
+    unsplit_fill: float = 0.8
+    unsplit_min_m: int = 8
+    unsplit_min_bn: int = 32
+    split_min_k: int = 4096
+    force_tile: tuple | None = None  # tests: (BM, BN) for every GEMM (the heuristic picks the rest)
+    force_splits: int | None = None  # tests, with force_tile: split-K over clusters of this many CTAs
+
+
+TUNING = Fp8Tuning()
 
 
 @dataclass(frozen=True)
@@ -37,11 +72,11 @@ class Fp8Config:
     bn: int
     stages: int
     smem: int                      # dynamic shared memory bytes, alignment slack included
-    mcast: int = _gemm.MCAST_NONE  # 2-CTA pairs along M (sharing B) or along N (sharing A)
+    mcast: int = MCAST_NONE        # 2-CTA pairs along M (sharing B) or along N (sharing A)
     group_m: int = 1               # cluster-tile rows per group of the tile order
     layout: str = NORMAL
     splits: int = 1                # split-K: a cluster of `splits` CTAs per tile, one K slice each
-    stream_b: bool = False         # B loaded with an evict-first L2 policy (gemm.streams_b)
+    stream_b: bool = False         # B loaded with an evict-first L2 policy (sm90.streams_b)
 
     @property
     def consumers(self) -> int:
@@ -92,54 +127,16 @@ def max_stages(bm: int, bn: int, budget: int, layout: str = NORMAL) -> int:
     return s
 
 
-# Time of one tile in a wave, H100 microseconds: fixed (epilogue, pipeline refill) + per 128-deep k block. Fitted to
-# one same-run sweep of forced configs on the six M = 4096 benchmark shapes (K = 512..16384: waves x this estimate
-# is within 3% of every measured time, docs/perf-notes.md session 11); 256 x 128 refitted after its consumers took
-# turns to issue and its epilogue staged whole slices (session 12: within 1% on the five M = 4096 shapes it runs).
-TILE_US = {(128, 128): (1.12, 0.514), (128, 192): (1.23, 0.751), (128, 256): (1.93, 1.057), (256, 128): (1.04, 0.94)}
-# Other widths of 128-row tiles, relative to 128 x 128 per column and k block (older H200 / H100 sweeps,
-# docs/perf-notes.md sessions 5 and 7): narrow tiles spend more of each k block on promotion and A reads; widths
-# whose tile origins fall at 16-column offsets in B's 128-column scale blocks (144, 176, ...) cost 14-32% more and
-# are not candidates. The weight gradient's promotion also scales each column (1D-1D): there 192 columns ran
-# 15-20% faster per column than 128 on all three benchmark shapes.
-BN_COST = {64: 1.35, 96: 1.27, 160: 1.06}
-BN_COST_WGRAD = {64: 1.35, 96: 1.27, 128: 1.0, 160: 1.06, 192: 0.85, 256: 0.9}
-
-
-def _tile_us(bm: int, bn: int, k_blocks: int, layout: str) -> float:
-    """Estimated time of one BM x BN tile over `k_blocks` k blocks (TILE_US, else scaled from 128 x 128)."""
-    if layout != KGROUPED and (bm, bn) in TILE_US:
-        fixed, per_kb = TILE_US[bm, bn]
+def _tile_us(bm: int, bn: int, k_blocks: int, layout: str, tuning: Fp8Tuning) -> float:
+    """Estimated time of one BM x BN tile over `k_blocks` k blocks (tile_us, else scaled from 128 x 128)."""
+    table = dict(tuning.tile_us)
+    if layout != KGROUPED and (bm, bn) in table:
+        fixed, per_kb = table[bm, bn]
     else:
-        fixed, per_kb = TILE_US[128, 128]
-        rel = (BN_COST_WGRAD if layout == KGROUPED else BN_COST)[bn]
+        fixed, per_kb = table[128, 128]
+        rel = dict(tuning.bn_cost_wgrad if layout == KGROUPED else tuning.bn_cost)[bn]
         fixed, per_kb = fixed * bn / 128, per_kb * bn / 128 * rel
     return fixed + per_kb * k_blocks
-
-
-# A narrow 128-row tile re-reads A's 128 rows for few columns of B; 64-row tiles of up to this many columns are
-# taken instead when they stream at most this fraction of the shared memory fill per CTA (measured on M = 128:
-# 2112 columns 64x32 vs 128x16 13.6 vs 15.5 us, 4096 columns 64x64 vs 128x32 16.5 vs 17.9 us; one consumer promotes
-# without a second one to hide it, so wider 64-row tiles lost: 128x7168x16384 64x112 51.7 vs 128x64 44.4 us).
-NARROW_ROWS_MAX_BN = 64
-NARROW_ROWS_GAIN = 0.85
-# Split-K in two (a 2-CTA cluster per tile, one K half each) when it cuts each CTA's fill to this fraction or less
-# and B is small enough that the fill, not DRAM, bounds the time (H100, same run: 64x2112x7168 11.0 vs 12.9 us,
-# 128x2112x7168 12.6 vs 13.7; 64x4096x7168 even, 15.5 vs 15.4; B of 117 MB (N x K = 7168 x 16384) streams at
-# DRAM speed either way; 3 to 8 splits and wider tiles lost, docs/perf-notes.md).
-SPLIT_GAIN = 0.67
-# B up to SPLIT_MAX_B_BYTES where the unsplit tiles are narrower than SPLIT_WIDE_BN (they stream slowly) or leave
-# half the SMs idle, else up to SPLIT_WIDE_MAX_B_BYTES; and for one row of tiles no split where they are 32 or more
-# columns wide and busy UNSPLIT_FILL of the SMs (the A boxes load only M's rows). H100, same process, unsplit /
-# split in two, us: 64x2112x16384 22.5 / 18.0, 136x2112x16384 37.2 / 22.2, 16x3072x16384 (73% of the SMs) 23.1 /
-# 20.9; but 32x4864x9728 19.8 / 21.4 (48 columns), 16x4096x7168 12.9 / 14.1, 128x7168x7168 22.3 / 24.9
-# (docs/perf-notes.md session 21).
-SPLIT_MAX_B_BYTES = 64 << 20
-SPLIT_WIDE_MAX_B_BYTES = 32 << 20
-SPLIT_WIDE_BN = 48
-UNSPLIT_FILL = 0.8
-UNSPLIT_MIN_M = 8  # below it the split still won: 1x4096x8192 15.5 / 16.5, 4x4096x7168 13.9 / 15.7
-SPLIT_MIN_K = 4096  # K = 2048 lost (64x7168x2048 11.1 vs 9.2 us): 8 k blocks a split do not cover the fixed costs
 
 
 def _fill(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: DeviceProperties) -> float:
@@ -148,44 +145,47 @@ def _fill(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: DevicePr
     return -(-units // props.sm_count) * (bm + bn) * k / splits
 
 
-def _split_in_two(m: int, n: int, k: int, unsplit: tuple, props: DeviceProperties, idle: bool = False) -> tuple | None:
+def _split_in_two(m: int, n: int, k: int, unsplit: tuple, props: DeviceProperties, tuning: Fp8Tuning,
+                  idle: bool = False) -> tuple | None:
     """(BM, BN) of a 2-way split-K with one wave of (tile, split) units and the least fill per CTA, when it cuts
-    the fill of the `unsplit` (BM, BN) tiles by SPLIT_GAIN, K is at least SPLIT_MIN_K and B within the limits
-    above (`idle`: the unsplit tiles leave half the SMs idle); else None."""
-    wide = unsplit[1] >= SPLIT_WIDE_BN and not idle
-    if n * k > (SPLIT_WIDE_MAX_B_BYTES if wide else SPLIT_MAX_B_BYTES) or k < SPLIT_MIN_K:
+    the fill of the `unsplit` (BM, BN) tiles by split_gain, K is at least split_min_k and B within the limits
+    (`idle`: the unsplit tiles leave half the SMs idle); else None."""
+    t = tuning
+    wide = unsplit[1] >= t.split_wide_bn and not idle
+    if n * k > (t.split_wide_max_b_bytes if wide else t.split_max_b_bytes) or k < t.split_min_k:
         return None
     split = []  # per tile height, the narrowest width with one wave of (tile, split) units
     for rows in (64, 128) if m > 64 else (64,):
-        widths = [b for b in range(16, MAX_BN_MEMORY_BOUND + 1, 16)
+        widths = [b for b in range(16, t.max_bn_memory_bound + 1, 16)
                   if -(-m // rows) * -(-n // b) * 2 <= props.sm_count]
         if widths:
             split.append((_fill(m, n, k, rows, widths[0], 2, props), rows, widths[0]))
     if split:
         fill, rows, cols = min(split)
-        if fill <= SPLIT_GAIN * _fill(m, n, k, *unsplit, 1, props):
+        if fill <= t.split_gain * _fill(m, n, k, *unsplit, 1, props):
             return rows, cols
     return None
 
 
-def _small_m(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties) -> tuple:
+def _small_m(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties, tuning: Fp8Tuning) -> tuple:
     """For one row of BM x BN tiles (M <= 128, memory-bound): (BM, BN, splits). For BM = 128, 64-row tiles when
-    they cut the fill per CTA by NARROW_ROWS_GAIN or more; then a 2-way split-K (`_split_in_two`) unless one row
-    of tiles already busies UNSPLIT_FILL of the SMs."""
+    they cut the fill per CTA to narrow_rows_gain or less; then a 2-way split-K (`_split_in_two`) unless one row
+    of tiles already busies unsplit_fill of the SMs."""
+    t = tuning
     best = (bm, bn)
     if bm == 128:
-        narrow = min(range(16, NARROW_ROWS_MAX_BN + 1, 16), key=lambda b: (_fill(m, n, k, 64, b, 1, props), -b))
-        if _fill(m, n, k, 64, narrow, 1, props) <= NARROW_ROWS_GAIN * _fill(m, n, k, 128, bn, 1, props):
+        narrow = min(range(16, t.narrow_rows_max_bn + 1, 16), key=lambda b: (_fill(m, n, k, 64, b, 1, props), -b))
+        if _fill(m, n, k, 64, narrow, 1, props) <= t.narrow_rows_gain * _fill(m, n, k, 128, bn, 1, props):
             best = (64, narrow)
-    if (UNSPLIT_MIN_M <= m <= best[0] and best[1] >= _gemm.NARROW_MIN_BN
-            and -(-n // best[1]) >= UNSPLIT_FILL * props.sm_count):
+    if (t.unsplit_min_m <= m <= best[0] and best[1] >= t.unsplit_min_bn
+            and -(-n // best[1]) >= t.unsplit_fill * props.sm_count):
         return best + (1,)  # one row of tiles that fills the SMs (two rows of 64: 96x2112x16384 split 1.22x)
-    split = _split_in_two(m, n, k, best, props)
+    split = _split_in_two(m, n, k, best, props, t)
     return split + (2,) if split else best + (1,)
 
 
 def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = NORMAL, groups: int = 1,
-                max_bm: int = 256) -> Fp8Config:
+                max_bm: int = 256, tuning: Fp8Tuning = TUNING) -> Fp8Config:
     """The tile, stages, 2-CTA pairing and tile order for one GEMM (for the masked and K-grouped layouts m is one
     group's rows and the waves count all `groups` groups' tiles; tiles are at most `max_bm` rows: the contiguous
     layout's segment alignment).
@@ -193,14 +193,14 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     BM 64 for M <= 64 (one consumer warpgroup). With several row blocks of 128 (compute-bound), the tile with the
     least waves x estimated tile time (`_tile_us`) among 128 x (64..256) and 256 x 128 (normal GEMM from 512
     rows, masked from 256 rows a group, contiguous when the segments allow it); otherwise (memory-bound) BM 128 and BN
-    a multiple of 16 up to MAX_BN_MEMORY_BOUND (or N rounded up to 16) with the fewest waves, then the fullest
+    a multiple of 16 up to max_bn_memory_bound (or N rounded up to 16) with the fewest waves, then the fullest
     last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_small_m`). Either
     way, a 2-way split-K over 2-CTA clusters where it streams much less per CTA and, for several rows of tiles,
     where the tiles would leave half the SMs idle (`_split_in_two`). Stages fill the shared-memory budget, up to
-    one tile's k blocks (at least MIN_STAGES). Pairs and tile order as for
-    the BF16 GEMM, but no pairs with a single row of tiles (sharing A there saved nothing and cost 3-8%) or for the
-    weight gradient (10% slower there), and contiguous tiles pair along N only (two tiles along M may belong to two
-    experts)."""
+    one tile's k blocks (at least min_stages). Pairs and tile order as for the BF16 GEMM, but no pairs with a
+    single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
+    there), and contiguous tiles pair along N only (two tiles along M may belong to two experts)."""
+    t = tuning
     bm = 64 if m <= 64 or max_bm == 64 else 128
     splits = 1
     per_group = layout in (MASKED, KGROUPED)
@@ -209,8 +209,13 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     budget = props.smem_per_block_optin
     top = min(MAX_BN, max(16, -(-n // 16) * 16))
     k_blocks = -(-(k // groups if layout == KGROUPED else k) // BK)  # one tile's k blocks
-    if bm == 128 and tiles_m >= 2 and n > 128:
-        widths = BN_COST_WGRAD if layout == KGROUPED else {*BN_COST, *(b for a, b in TILE_US if a == 128)}
+    if t.force_tile is not None:
+        bm, bn = t.force_tile
+        splits = t.force_splits or 1
+        tiles_m = -(-(groups * -(-m // bm) * bm if per_group else m) // bm)
+    elif bm == 128 and tiles_m >= 2 and n > 128:
+        widths = dict(t.bn_cost_wgrad) if layout == KGROUPED else {*dict(t.bn_cost), *(b for (a, b), _ in t.tile_us
+                                                                                          if a == 128)}
         cands = [(128, b) for b in widths if b <= top]
         tall = {NORMAL: m >= 512, MASKED: m >= 256, CONTIGUOUS: True, KGROUPED: False}[layout]
         if tall and max_bm >= 256:
@@ -219,35 +224,35 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         def cost(c):
             tbm, tbn = c
             tiles = -(-m_all // tbm) * -(-n // tbn)
-            return -(-tiles // props.sm_count) * _tile_us(tbm, tbn, k_blocks, layout), -tbn, tbm
+            return -(-tiles // props.sm_count) * _tile_us(tbm, tbn, k_blocks, layout, t), -tbn, tbm
         bm, bn = min(cands, key=cost)
         tiles_m = -(-m_all // bm)
-        # Tiles that leave half the SMs idle (small N at a few rows of tiles): a 2-way split fills them. H100,
-        # same process, 69 shapes at M 136..1000, all faster: 192x1536x7168 18.1 -> 12.1 us, 184x1024x8192 19.5
-        # -> 10.8, 512x256x16384 37.5 -> 17.4; where the tiles already fill the SMs it lost (192x4096x7168 20.0 ->
-        # 21.0; docs/perf-notes.md session 19).
+        # Tiles that leave half the SMs idle (small N at a few rows of tiles): a 2-way split fills them (H100, 69
+        # shapes at M 136..1000, all faster: 192x1536x7168 18.1 -> 12.1 us, 512x256x16384 37.5 -> 17.4; where the
+        # tiles already fill the SMs it lost: 192x4096x7168 20.0 -> 21.0).
         if layout == NORMAL and tiles_m * -(-n // bn) <= props.sm_count // 2:
-            split = _split_in_two(m, n, k, (bm, bn), props, idle=True)
+            split = _split_in_two(m, n, k, (bm, bn), props, t, idle=True)
             if split:
                 (bm, bn), splits = split, 2
     else:
-        widths = [b for b in range(16, min(top, MAX_BN_MEMORY_BOUND) + 1, 16)
+        widths = [b for b in range(16, min(top, t.max_bn_memory_bound) + 1, 16)
                   if max_stages(bm, b, budget, layout) >= 3]
-        bn = _gemm.fewest_waves_bn(m_all, n, bm, widths, props)
+        bn = sm90.fewest_waves_bn(m_all, n, bm, widths, props)
         if layout == NORMAL and tiles_m == 1:
-            bm, bn, splits = _small_m(m, n, k, bm, bn, props)  # tiles_m stays 1: no pairs (measured without)
-    # Stages beyond one tile's k blocks (at least MIN_STAGES) only prefetch the next tile, which competes for DRAM
-    # with this tile's loads: 64x32768x512 (four k blocks) 9.5 us with 4 stages against 10.6 with 8 (H100, rotating
-    # inputs); no benchmark shape with more k blocks lost by the cap (docs/perf-notes.md session 13).
-    stages = min(max_stages(bm, bn, budget, layout), max(k_blocks, MIN_STAGES))
+            bm, bn, splits = _small_m(m, n, k, bm, bn, props, t)  # tiles_m stays 1: no pairs (measured without)
+    # Stages beyond one tile's k blocks (at least min_stages) only prefetch the next tile, which competes for DRAM
+    # with this tile's loads: H100, 64x32768x512 (four k blocks) 9.5 us with 4 stages against 10.6 with 8.
+    stages = min(max_stages(bm, bn, budget, layout), max(k_blocks, t.min_stages))
+    if t.force_tile is not None:
+        stages = max_stages(bm, bn, budget, layout)
     # Tiles paired along M share B: they must be of one group (masked, K-grouped: pairs form within a group, so
     # a group of one row of tiles would pair with an idle spare; contiguous: never).
     share_b = layout == NORMAL or (per_group and -(-m // bm) >= 2)
-    mcast = _gemm.MCAST_NONE
-    if _gemm.MULTICAST and tiles_m >= 2 and layout != KGROUPED and splits == 1:
-        mcast = _gemm.pick_multicast(m_all, n, bm, bn, 1, False, props, share_b)
-    group_m = _gemm.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
-    stream_b = layout == NORMAL and _gemm.streams_b(m, k, 1)
+    mcast = MCAST_NONE
+    if tiles_m >= 2 and layout != KGROUPED and splits == 1:
+        mcast = sm90.pick_multicast(m_all, n, bm, bn, 1, False, props, t, share_b)
+    group_m = 1 if t.force_splits else sm90.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
+    stream_b = layout == NORMAL and sm90.streams_b(m, k, 1, t)
     return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits, stream_b)
 
 
@@ -298,7 +303,7 @@ def variants():
     for cfg in list(_bench_configs(H100)) + ragged:
         d = _defines(cfg)
         seen[tuple(sorted(d.items()))] = ("gemm_fp8.cu", "gemm_fp8_kernel", d, cfg.smem)
-    return list(seen.values()) + [("fp8_scales.cu", "scales_to_mmajor", {}, 0)]
+    return list(seen.values()) + [("fp8_scales.cu", "scales_to_mmajor", {}, 0), ("fill.cu", "fill_i32", {}, 0)]
 
 
 # ---- scales ---------------------------------------------------------------------------------------------------
@@ -328,31 +333,14 @@ def _mmajor_plan(sv: DeviceArray, device: int) -> _MMajor:
     return _MMajor(mmajor_stride(rows), convert, (-(-rows * groups // _CONVERT_THREADS), 1, 1))
 
 
-class _ScaleBuffer:
-    """Scratch for M-major copies of scales, per (device, stream, role); grown on demand."""
-
-    def __init__(self):
-        self.buf = None
-
-    def get(self, elems: int, device: int, stream) -> DeviceArray:
-        if self.buf is None or self.buf.shape[0] < elems:
-            self.buf = DeviceArray.empty((max(elems, 1 << 16),), dt.float32, device, stream)
-        return self.buf
-
-
-_scale_buffers: dict = {}
-_buf_lock = threading.Lock()
-
-
-def _mmajor_ptr(mm: _MMajor, sv: DeviceArray, role: str, h: int, stream) -> int:
+def _scales_ptr(mm: _MMajor, sv: DeviceArray, slots, h: int) -> int:
+    """The M-major scales' address: sv's own, or the next scratch slot of `slots` after the copy kernel filled it."""
     if mm.convert is None:
         return sv.ptr
+    slot_ptr = next(slots)
     rows, groups = sv.shape
-    with _buf_lock:
-        holder = _scale_buffers.setdefault((sv.device, h, role), _ScaleBuffer())
-    buf = holder.get(mm.ld * groups, sv.device, stream)
-    mm.convert(mm.grid, h, sv.ptr, sv.strides[0], sv.strides[1], buf.ptr, mm.ld, rows, groups)
-    return buf.ptr
+    mm.convert(mm.grid, h, sv.ptr, sv.strides[0], sv.strides[1], slot_ptr, mm.ld, rows, groups)
+    return slot_ptr
 
 
 # ---- validation helpers ---------------------------------------------------------------------------------------
@@ -410,81 +398,104 @@ class _Plan:
     cfg: Fp8Config
     launch: object
     grid: tuple
-    map_a: tuple
-    map_b: tuple
-    map_a_edge: tuple  # the boxes across the last row of A and B (gemm.edge_map)
-    map_b_edge: tuple
-    map_sa: tuple
-    map_sb: tuple   # KGROUPED: B's scales; otherwise None (the sA map is passed in its place, unused)
-    map_d: tuple
+    map_a: MapLayout
+    map_b: MapLayout
+    map_a_edge: MapLayout  # the boxes across the last row of A and B (sm90.edge_map)
+    map_b_edge: MapLayout
+    map_sa: MapLayout
+    map_sb: MapLayout | None  # KGROUPED: B's scales; otherwise None (the sA map is passed in its place, unused)
+    map_d: MapLayout
     sa: _MMajor
-    sb: _MMajor     # KGROUPED only
-    args: tuple     # M, N, K, groups as the kernel takes them
+    sb: _MMajor | None     # KGROUPED only
+    scratch: tuple         # (slot, bytes, zeroed): the scales' M-major copies, the K-grouped offsets
+    args: tuple            # M, N, K, groups as the kernel takes them
 
 
-_plans: dict = {}
-_plans_lock = threading.Lock()
-
-
-def _launcher(cfg: Fp8Config, device: int):
+def _launcher(cfg: Fp8Config, device: int, tuning: Fp8Tuning):
     return get_launcher("gemm_fp8.cu", "gemm_fp8_kernel", _defines(cfg), device, _ARGS, (cfg.threads,), cfg.smem,
-                        cluster=(cfg.cluster, 1, 1) if cfg.cluster > 1 else None, pdl=_gemm.PDL)
+                        cluster=(cfg.cluster, 1, 1) if cfg.cluster > 1 else None, pdl=tuning.pdl)
 
 
-def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, props) -> _Plan:
+def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, tuning: Fp8Tuning) -> _Plan:
     """av / bv / sav / dv are the 2D views the maps read; m, n, k, groups the kernel's arguments."""
-    cfg = pick_config(m, n, k, props, layout, groups, max_bm)
-    launch = _launcher(cfg, av.device)
+    props = device_properties(av.device)
+    cfg = pick_config(m, n, k, props, layout, groups, max_bm, tuning)
+    launch = _launcher(cfg, av.device, tuning)
     m_all = groups * -(-m // cfg.bm) * cfg.bm if layout in (MASKED, KGROUPED) else m
     tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
     if cfg.splits > 1 and tiles > launch.max_active_clusters():  # the clusters that do not fit would run later
         cfg = replace(cfg, splits=1)
-        launch = _launcher(cfg, av.device)
+        launch = _launcher(cfg, av.device, tuning)
     if cfg.splits > 1:  # one tile per cluster
         grid = (tiles * cfg.splits, 1, 1)
     else:
-        grid = _gemm.persistent_grid(launch, m_all, n, cfg.bm, cfg.bn, cfg.mcast, 1, cfg.smem, props)
+        grid = sm90.persistent_grid(launch, m_all, n, cfg.bm, cfg.bn, cfg.mcast, 1, cfg.smem, props)
     kb = -(-k // 128)
-    a_box = _gemm.box_rows(cfg.bm, cfg.mcast == _gemm.MCAST_SHARE_A)
-    b_box = _gemm.box_rows(cfg.bn, cfg.mcast == _gemm.MCAST_SHARE_B)
-    map_a = (dt.float8_e4m3, (k, av.shape[0]), (av.strides[0],), (BK, a_box), 128)
-    map_b = (dt.float8_e4m3, (k, bv.shape[0]), (bv.strides[0],), (BK, b_box), 128)
+    a_box = sm90.box_rows(cfg.bm, cfg.mcast == MCAST_SHARE_A)
+    b_box = sm90.box_rows(cfg.bn, cfg.mcast == MCAST_SHARE_B)
+    map_a = MapLayout(dt.float8_e4m3, (k, av.shape[0]), (av.strides[0],), (BK, a_box), 128)
+    map_b = MapLayout(dt.float8_e4m3, (k, bv.shape[0]), (bv.strides[0],), (BK, b_box), 128)
+    scratch = []
     sa = _mmajor_plan(sav, av.device)
-    map_sa = (dt.float32, (sav.shape[0], kb), (sa.ld * 4,), (cfg.bm, 1), 0)
+    if sa.convert is not None:
+        scratch.append(("fp8_sa_mmajor", sa.ld * sav.shape[1] * 4, False))
+    map_sa = MapLayout(dt.float32, (sav.shape[0], kb), (sa.ld * 4,), (cfg.bm, 1), 0)
     sb = map_sb = None
     if layout == KGROUPED:
         sb = _mmajor_plan(sbv, av.device)
-        map_sb = (dt.float32, (n, kb), (sb.ld * 4,), (cfg.bn, 1), 0)
+        if sb.convert is not None:
+            scratch.append(("fp8_sb_mmajor", sb.ld * sbv.shape[1] * 4, False))
+        map_sb = MapLayout(dt.float32, (n, kb), (sb.ld * 4,), (cfg.bn, 1), 0)
+        scratch.append(("kgrouped_offsets", (groups + 1) * 4, False))
     ob = _out_bytes(layout)
     ch = _chunk(cfg.bn, ob)
-    map_d = (dt.float32 if ob == 4 else dt.bfloat16, (n, dv.shape[0]), (dv.strides[0] * ob,), (ch, 64), ch * ob)
+    map_d = MapLayout(dt.float32 if ob == 4 else dt.bfloat16, (n, dv.shape[0]), (dv.strides[0] * ob,), (ch, 64),
+                      ch * ob)
     # m / n: the rows of a group of A / B (the maps' row counts are multiples of them): their boxes across the end
-    return _Plan(cfg, launch, grid, map_a, map_b, _gemm.edge_map(map_a, m), _gemm.edge_map(map_b, n), map_sa, map_sb,
-                 map_d, sa, sb, (m, n, k, groups))
+    return _Plan(cfg, launch, grid, map_a, map_b, sm90.edge_map(map_a, m), sm90.edge_map(map_b, n), map_sa, map_sb,
+                 map_d, sa, sb, tuple(scratch), (m, n, k, groups))
 
 
-def _run(layout, av, sav, bv, sbv, dv, sb_strides, info_ptr, m, n, k, groups, max_bm, extra_key, h, stream):
-    key = (layout, extra_key, max_bm, m, n, k, groups) + tuple(
-        (x.shape, x.strides, x.dtype, x.ptr & 15, x.device) for x in (av, sav, bv, sbv, dv))
-    plan = _plans.get(key)
+def _fill_offsets(ks: tuple, dst: int, device: int, h: int) -> None:
+    """The K-grouped layout's group offsets (0, ks[0], ks[0] + ks[1], ...) written by a kernel that takes them as
+    parameters: no host copy to wait for, and capturable into a graph."""
+    fill = get_launcher("fill.cu", "fill_i32", {}, device, _FILL_ARGS, (128,))
+    offsets = [0]
+    for x in ks:
+        offsets.append(offsets[-1] + x)
+    for i in range(0, len(offsets), _FILL_MAX):
+        part = offsets[i:i + _FILL_MAX]
+        fill((1, 1, 1), h, dst + 4 * i, len(part), tuple(part) + (0,) * (_FILL_MAX - len(part)))
+
+
+def _run(layout, av, sav, bv, sbv, dv, sb_strides, info_ptr, m, n, k, groups, max_bm, h, tuning, ks=None):
+    key = ("gemm_fp8", layout, max_bm, m, n, k, groups, sm90.array_key(av), sm90.array_key(sav),
+           sm90.array_key(bv), sm90.array_key(sbv), sm90.array_key(dv), tuning)
+    plan = PLANS.get(key)
     if plan is None:
-        with _plans_lock:
-            if len(_plans) > 1024:
-                _plans.clear()
-        plan = _plans[key] = _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm,
-                                        device_properties(av.device))
-    sa_ptr = _mmajor_ptr(plan.sa, sav, "sa", h, stream)
-    maps = _gemm._local.maps  # the GEMM module's per-thread tensor-map cache
-    map_sa = maps.get("sa", plan.map_sa, sa_ptr)
-    if plan.sb is not None:
-        map_sb = maps.get("sb8", plan.map_sb, _mmajor_ptr(plan.sb, sbv, "sb", h, stream))
-    else:
-        map_sb = map_sa
-    map_a, map_a_edge = _gemm.operand_maps(maps, "a8", plan.map_a, plan.map_a_edge, av.ptr)
-    map_b, map_b_edge = _gemm.operand_maps(maps, "b8", plan.map_b, plan.map_b_edge, bv.ptr)
-    plan.launch(plan.grid, h, map_a, map_b, map_a_edge, map_b_edge, map_sa,
-                map_sb, maps.get("d8", plan.map_d, dv.ptr), sbv.ptr, *sb_strides, info_ptr, dv.ptr,
-                dv.strides[0], *plan.args, plan.cfg.group_m)
+        plan = PLANS.add(key, _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, tuning or TUNING))
+    release = None
+    ptrs = ()
+    if plan.scratch:
+        ptrs, release = SCRATCH.acquire(av.device, h, plan.scratch)
+    try:
+        slots = iter(ptrs)  # in plan.scratch's order
+        maps = sm90.thread_maps()
+        map_sa = maps.get("sa", plan.map_sa, _scales_ptr(plan.sa, sav, slots, h))
+        if plan.sb is not None:
+            map_sb = maps.get("sb8", plan.map_sb, _scales_ptr(plan.sb, sbv, slots, h))
+            info_ptr = next(slots)
+            _fill_offsets(ks, info_ptr, av.device, h)
+        else:
+            map_sb = map_sa
+        map_a, map_a_edge = sm90.operand_maps(maps, "a8", plan.map_a, plan.map_a_edge, av.ptr)
+        map_b, map_b_edge = sm90.operand_maps(maps, "b8", plan.map_b, plan.map_b_edge, bv.ptr)
+        plan.launch(plan.grid, h, map_a, map_b, map_a_edge, map_b_edge, map_sa,
+                    map_sb, maps.get("d8", plan.map_d, dv.ptr), sbv.ptr, *sb_strides, info_ptr, dv.ptr,
+                    dv.strides[0], *plan.args, plan.cfg.group_m)
+    finally:
+        if release is not None:
+            release()
 
 
 def _output(out, shape, dtype, device, h, stream) -> DeviceArray:
@@ -499,7 +510,7 @@ def _output(out, shape, dtype, device, h, stream) -> DeviceArray:
 
 # ---- public ops -----------------------------------------------------------------------------------------------
 
-def gemm_fp8(a, sa, b, sb, out=None, *, stream=None):
+def gemm_fp8(a, sa, b, sb, out=None, *, stream=None, tuning: Fp8Tuning | None = None):
     """D = (A * sA) @ (B * sB)^T in bf16.
 
     a: [M, K] e4m3, sa: [M, ceil(K/128)] fp32 (one scale per 1x128 group of a row), b: [N, K] e4m3, sb:
@@ -519,12 +530,12 @@ def gemm_fp8(a, sa, b, sb, out=None, *, stream=None):
     _same_device(av, sa=sav, b=bv, sb=sbv)
     dv = _output(out, (m, n), dt.bfloat16, av.device, h, stream)
     if m and n:
-        _run(NORMAL, av, sav, bv, sbv, dv, (0, sbv.strides[0], sbv.strides[1]), 0, m, n, k, 1, 256, None, h,
-             stream)
+        _run(NORMAL, av, sav, bv, sbv, dv, (0, sbv.strides[0], sbv.strides[1]), 0, m, n, k, 1, 256, h, tuning)
     return dv if out is None else out
 
 
-def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment: int = 128, stream=None):
+def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment: int = 128, stream=None,
+                                tuning: Fp8Tuning | None = None):
     """MoE prefill: the rows of A are the experts' tokens back to back; row m is multiplied by expert
     m_indices[m]'s weights: D[m] = (A[m] * sA[m]) @ (B[g] * sB[g])^T, bf16.
 
@@ -550,12 +561,12 @@ def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment:
     _same_device(av, sa=sav, b=bv, sb=sbv, m_indices=iv)
     dv = _output(out, (m, n), dt.bfloat16, av.device, h, stream)
     if m and n and groups:
-        _run(CONTIGUOUS, av, sav, _flatten(bv, "b"), sbv, dv, sbv.strides, iv.ptr, m, n, k, groups, alignment,
-             None, h, stream)
+        _run(CONTIGUOUS, av, sav, _flatten(bv, "b"), sbv, dv, sbv.strides, iv.ptr, m, n, k, groups, alignment, h,
+             tuning)
     return dv if out is None else out
 
 
-def gemm_fp8_grouped_masked(a, sa, b, sb, masked_m, out=None, *, stream=None):
+def gemm_fp8_grouped_masked(a, sa, b, sb, masked_m, out=None, *, stream=None, tuning: Fp8Tuning | None = None):
     """MoE decode: G independent GEMMs of which only the first masked_m[g] rows count:
     D[g, :masked_m[g]] = (A[g] * sA[g]) @ (B[g] * sB[g])^T for those rows, bf16.
 
@@ -575,25 +586,11 @@ def gemm_fp8_grouped_masked(a, sa, b, sb, masked_m, out=None, *, stream=None):
     dv = _output(out, (groups, m, n), dt.bfloat16, av.device, h, stream)
     if m and n and groups:
         _run(MASKED, _flatten(av, "a"), _flatten(sav, "sa"), _flatten(bv, "b"), sbv, _flatten(dv, "out"),
-             sbv.strides, iv.ptr, m, n, k, groups, 256, None, h, stream)
+             sbv.strides, iv.ptr, m, n, k, groups, 256, h, tuning)
     return dv if out is None else out
 
 
-_offsets: dict = {}
-
-
-def _k_offsets(ks: tuple, device: int, stream) -> DeviceArray:
-    key = (ks, device)
-    v = _offsets.get(key)
-    if v is None:
-        if len(_offsets) > 256:
-            _offsets.clear()
-        v = _offsets[key] = DeviceArray.from_numpy(np.concatenate([[0], np.cumsum(ks)]).astype(np.int32),
-                                                   dt.int32, device, stream)
-    return v
-
-
-def gemm_fp8_wgrad(a, sa, b, sb, d, ks, *, stream=None):
+def gemm_fp8_wgrad(a, sa, b, sb, d, ks, *, stream=None, tuning: Fp8Tuning | None = None):
     """K-grouped weight gradient, accumulated: D[g] += (A_g * sA_g) @ (B_g * sB_g)^T in fp32 for each group g,
     where group g owns the columns ks[0] + ... + ks[g-1] onwards (ks[g] of them) of A and B: for MoE backward,
     A = dY^T and B = X^T with each expert's tokens along K.
@@ -623,7 +620,5 @@ def gemm_fp8_wgrad(a, sa, b, sb, d, ks, *, stream=None):
     require(dv, "d", dtypes=(dt.float32,), ndim=3, shape=(groups, m, n))
     _same_device(av, sa=sav, b=bv, sb=sbv, d=dv)
     if m and n and groups and k:
-        offsets = _k_offsets(ks, av.device, stream)
-        _run(KGROUPED, av, sav, bv, sbv, _flatten(dv, "d"), (0, 0, 0), offsets.ptr, m, n, k, groups, 256, ks, h,
-             stream)
+        _run(KGROUPED, av, sav, bv, sbv, _flatten(dv, "d"), (0, 0, 0), 0, m, n, k, groups, 256, h, tuning, ks)
     return d

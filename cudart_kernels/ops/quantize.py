@@ -4,10 +4,13 @@ scale = max(amax, 1e-4) / 448 and q = round_to_nearest_even(x * (448 / max(amax,
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..runtime import dtypes as dt
 from ..runtime.driver import stream_handle
 from ..runtime.interop import DeviceArray, as_array, require
 from ..runtime.launch import get_launcher
+from ..runtime.plans import PLANS
 
 GROUP = 128
 THREADS = 256  # -DTHREADS
@@ -16,7 +19,14 @@ _KIND = {dt.bfloat16: "KIND_BF16", dt.float16: "KIND_FP16", dt.float32: "KIND_FP
 _INPUTS = tuple(_KIND)
 _ARGS = ("ptr", "i64", "ptr", "i64", "ptr", "i64", "i64", "i32", "i32")
 _TOKEN_ARGS = _ARGS + ("i32",)
-MAX_GRID_Y = 65535  # per-token blocks beyond it loop over row tiles
+
+
+@dataclass(frozen=True)
+class QuantTuning:
+    max_grid_y: int = 65535  # per-token row blocks in the grid; beyond it blocks loop over row tiles (tests lower it)
+
+
+TUNING = QuantTuning()
 _MAX_ROWS = 65535 * GROUP  # per-block grid y (row blocks) <= 65535; per-token rows fit int32 too
 
 
@@ -24,7 +34,7 @@ def _vec(dtype) -> int:
     return 16 // dtype.itemsize
 
 
-def token_grid(dtype, m: int, k: int, threads: int = THREADS, unroll: int = UNROLL):
+def token_grid(dtype, m: int, k: int, threads: int = THREADS, unroll: int = UNROLL, tuning: QuantTuning = TUNING):
     """Per-token launch shape: (grid, log2 of groups per block).
 
     A block spans gpb consecutive groups (a power of two up to `slots`) of (slots / gpb) * unroll rows. gpb is the
@@ -41,7 +51,7 @@ def token_grid(dtype, m: int, k: int, threads: int = THREADS, unroll: int = UNRO
 
     log2_gpb = min(range(narrowest, widest + 1), key=lambda l2: (idle(l2) / g, -l2))
     rows = (slots >> log2_gpb) * unroll
-    return (-(-g // (1 << log2_gpb)), max(1, min(-(-m // rows), MAX_GRID_Y)), 1), log2_gpb
+    return (-(-g // (1 << log2_gpb)), max(1, min(-(-m // rows), tuning.max_grid_y)), 1), log2_gpb
 
 
 def mmajor_stride(m: int) -> int:
@@ -75,7 +85,7 @@ def _scale_shape(kind, m, k):
     return (-(-m // rows), -(-k // GROUP))
 
 
-def _plan(kind, name, xv, qv, sv):
+def _plan(kind, name, xv, qv, sv, tuning: QuantTuning):
     """Validate one operand signature (done once per signature, then cached) and precompute the launch."""
     _check_input(xv, name)
     m, k = xv.shape
@@ -90,7 +100,7 @@ def _plan(kind, name, xv, qv, sv):
         if a.device != xv.device:
             raise ValueError(f"{what} is on cuda:{a.device} but {name} is on cuda:{xv.device}")
     if kind == "token":
-        grid, log2_gpb = token_grid(xv.dtype, m, k)
+        grid, log2_gpb = token_grid(xv.dtype, m, k, tuning=tuning)
         launch = get_launcher("quantize.cu", "quantize_per_token", _defines(xv.dtype), xv.device, _TOKEN_ARGS,
                               (THREADS,))
         extra = (log2_gpb,)
@@ -102,10 +112,7 @@ def _plan(kind, name, xv, qv, sv):
     return (launch if m else None), grid, args
 
 
-_plans: dict = {}
-
-
-def _run(kind, name, x, out, out_scales, stream, layout="rowmajor"):
+def _run(kind, name, x, out, out_scales, stream, layout="rowmajor", tuning=None):
     h = stream_handle(stream)
     xv = as_array(x, h)
     if out is None or out_scales is None:  # allocate: validate the input first
@@ -122,20 +129,19 @@ def _run(kind, name, x, out, out_scales, stream, layout="rowmajor"):
                 sv = DeviceArray.empty(shape_s, dt.float32, xv.device, stream)
     else:
         qv, sv = as_array(out, h), as_array(out_scales, h)
-    key = (kind, xv.shape, xv.strides, xv.dtype, xv.ptr & 15, xv.device, qv.shape, qv.strides, qv.dtype,
-           qv.ptr & 15, qv.device, sv.shape, sv.strides, sv.dtype, sv.ptr & 15, sv.device)
-    plan = _plans.get(key)
+    key = ("quantize", kind, xv.shape, xv.strides, xv.dtype, xv.ptr & 15, xv.device, qv.shape, qv.strides,
+           qv.dtype, qv.ptr & 15, qv.device, sv.shape, sv.strides, sv.dtype, sv.ptr & 15, sv.device, tuning)
+    plan = PLANS.get(key)
     if plan is None:
-        if len(_plans) > 4096:
-            _plans.clear()
-        plan = _plans[key] = _plan(kind, name, xv, qv, sv)
+        plan = PLANS.add(key, _plan(kind, name, xv, qv, sv, tuning or TUNING))
     launch, grid, args = plan
     if launch is not None:
         launch(grid, h, xv.ptr, args[0], qv.ptr, args[1], sv.ptr, *args[2:])
     return (qv if out is None else out), (sv if out_scales is None else out_scales)
 
 
-def quantize_fp8_per_token(x, *, scale_layout: str = "mmajor", out=None, out_scales=None, stream=None):
+def quantize_fp8_per_token(x, *, scale_layout: str = "mmajor", out=None, out_scales=None, stream=None,
+                           tuning: QuantTuning | None = None):
     """Quantize activations `x` [M, K] (bf16, fp16 or fp32) to e4m3 with one fp32 scale per 1x128 group.
 
     Returns (q [M, K] e4m3, scales [M, ceil(K/128)] fp32). `scale_layout="mmajor"` (default) lays the scales out
@@ -146,7 +152,7 @@ def quantize_fp8_per_token(x, *, scale_layout: str = "mmajor", out=None, out_sca
     """
     if scale_layout not in ("mmajor", "rowmajor"):
         raise ValueError(f"scale_layout must be 'mmajor' or 'rowmajor', got {scale_layout!r}")
-    return _run("token", "x", x, out, out_scales, stream, scale_layout)
+    return _run("token", "x", x, out, out_scales, stream, scale_layout, tuning)
 
 
 def quantize_fp8_per_block(w, *, out=None, out_scales=None, stream=None):

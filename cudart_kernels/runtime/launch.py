@@ -11,8 +11,20 @@ from .compiler import Compiled
 from .driver import check, use_device
 
 # Kernel parameter kinds -> (struct format, size = alignment). "tmap" is a CUtensorMap passed by value
-# (__grid_constant__), copied in from its TensorMap's 128 bytes.
+# (__grid_constant__), copied in from its TensorMap's 128 bytes. "i32[N]" is a struct of N ints passed by value,
+# given as a sequence of N ints.
 _KINDS = {"ptr": ("Q", 8), "i32": ("i", 4), "u32": ("I", 4), "i64": ("q", 8), "f32": ("f", 4), "tmap": (None, 64)}
+
+
+def _kind(k: str):
+    """(struct format, alignment, size) of one parameter kind."""
+    if k.startswith("i32[") and k.endswith("]") and k[4:-1].isdigit():
+        n = int(k[4:-1])
+        return f"{n}i", 4, 4 * n
+    if k not in _KINDS:
+        raise ValueError(f"unknown kernel argument kind {k!r}")
+    code, align = _KINDS[k]
+    return code, align, _TMAP_BYTES if code is None else align
 _TMAP_BYTES = 128
 # A launch that names a CUfunction of another context fails with one of these; we then make the function's
 # context current and retry, instead of querying the current context on every call.
@@ -24,17 +36,13 @@ def _layout(kinds):
     """Byte offsets of each parameter in one packed buffer, the struct format of the scalars, the total size."""
     fmt, offsets, off = "<", [], 0
     for k in kinds:
-        code, align = _KINDS[k]
+        code, align, size = _kind(k)
         pad = -off % align
         fmt += f"{pad}x" if pad else ""
         off += pad
         offsets.append(off)
-        if code is None:
-            fmt += f"{_TMAP_BYTES}x"
-            off += _TMAP_BYTES
-        else:
-            fmt += code
-            off += align
+        fmt += f"{size}x" if code is None else code
+        off += size
     return fmt, offsets, max(off, 8)
 
 
@@ -119,8 +127,7 @@ class Launcher:
 
     def __init__(self, function: Function, arg_kinds, block, smem: int = 0, cluster=None, pdl: bool = False):
         for k in arg_kinds:
-            if k not in _KINDS:
-                raise ValueError(f"unknown kernel argument kind {k!r}")
+            _kind(k)
         block = tuple(block) + (1,) * (3 - len(block))
         if cluster is not None:
             cluster = tuple(cluster) + (1,) * (3 - len(cluster))
@@ -129,6 +136,9 @@ class Launcher:
         self.kinds = tuple(arg_kinds)
         self._pack = struct.Struct(_layout(self.kinds)[0]).pack_into
         self._tmaps = tuple(i for i, k in enumerate(self.kinds) if k == "tmap")
+        self._tables = tuple(i for i, k in enumerate(self.kinds) if k.startswith("i32["))
+        if self._tables and self._tmaps:
+            raise ValueError("a launch takes tensor maps or i32[N] tables, not both")
         self._slots = _Slots(self.kinds, block, smem, cluster, pdl)
         self._handle = function.handle
         self._device = function.device
@@ -151,7 +161,10 @@ class Launcher:
         s = self._slots
         if len(args) != len(self.kinds):
             raise TypeError(f"{self.function.compiled.entry} takes {len(self.kinds)} arguments, got {len(args)}")
-        if self._tmaps:
+        if self._tables:  # (rare: no tensor maps beside them) flatten the tables' values into the scalars
+            args = [x for i, a in enumerate(args) for x in (a if i in self._tables else (a,))]
+            self._pack(s.view, 0, *args)
+        elif self._tmaps:
             self._pack(s.view, 0, *[a for i, a in enumerate(args) if i not in self._tmaps])
             for dst, i in zip(s.tmap_addresses, self._tmaps):
                 ctypes.memmove(dst, args[i].address, _TMAP_BYTES)
