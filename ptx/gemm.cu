@@ -38,8 +38,9 @@
 //
 // Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64, 128 or 192), BN (8..256, step 8), STAGES, EPI,
 // C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST, STREAM_B.
-#include "common/gemm_tiles.cuh"
-#include "common/memory.cuh"
+#include "common/epilogue.cuh"
+#include "common/pipeline.cuh"
+#include "common/scheduler.cuh"
 #include "common/wgmma_ops.cuh"
 
 #ifndef STREAM_B
@@ -48,7 +49,6 @@
 #define EPI_STORE 0
 #define EPI_ACCUMULATE 1
 #define EPI_SPLIT 2
-#define KIND_NONE -1
 #ifndef EPI
 #define EPI EPI_STORE
 #endif
@@ -110,56 +110,62 @@ constexpr int SMEM_D = SMEM_B + STAGES * B_STAGE;
 constexpr int SMEM_BARS = SMEM_D + CONSUMERS * D_ROWS_BYTES;
 constexpr int SMEM_FLAGS = SMEM_BARS + 2 * STAGES * 8;
 constexpr int SMEM_BYTES = SMEM_FLAGS + 16;
-constexpr bool COUNTED = EPI == EPI_SPLIT || (EPI == EPI_ACCUMULATE && DETERMINISTIC);
 
-// Four consecutive elements of a row (16-byte aligned for fp32, 8-byte for 16-bit types).
-template <int KIND>
-__device__ __forceinline__ f32x4 load4(const void* base, i64 idx) {
-  if constexpr (KIND == KIND_FP32) {
-    return *reinterpret_cast<const f32x4*>(reinterpret_cast<const float*>(base) + idx);
+typedef StageRing<STAGES, MCAST> Ring;
+typedef PipeState<STAGES> Pipe;
+
+// Producer: k block kb of the tile at (m0, n0) into stage st (boxes wholly past M or N are not loaded).
+__device__ __forceinline__ void load_k_block(const Ring& ring, Pipe st, u8* smem, const CUtensorMap_st* tm_a,
+                                             const CUtensorMap_st* tm_b, const CUtensorMap_st* tm_a_edge,
+                                             const CUtensorMap_st* tm_b_edge, int kb, int m0, int n0, int M, int N,
+                                             u32 rank) {
+  u8* sa = smem + st.stage * A_STAGE;
+  u8* sb = smem + SMEM_B + st.stage * B_STAGE;
+  const int b_bytes = B_KN ? min(B_PANELS, max(0, (N - n0 + 63) / 64)) * B_PANEL_BYTES
+                           : rows_in_bounds(n0, BN, N) * 128;
+  u64* bar = ring.acquire(st, rows_in_bounds(m0, BM, M) * 128 + b_bytes);
+  tma_load_rows<MCAST == 2>(sa, tm_a, tm_a_edge, bar, kb * BK, m0, BM, M, rank);
+  if constexpr (B_KN) {
+    for (int p = 0; p * B_PANEL_BYTES < b_bytes; ++p)
+      tma_load_2d<STREAM_B>(sb + p * B_PANEL_BYTES, tm_b, bar, n0 + p * 64, kb * BK);
   } else {
-    const u32x2 raw = *reinterpret_cast<const u32x2*>(reinterpret_cast<const u16*>(base) + idx);
-    f32x4 v;
-    if constexpr (KIND == KIND_BF16) {
-      bf16x2_to_f32(raw.x, v.x, v.y);
-      bf16x2_to_f32(raw.y, v.z, v.w);
-    } else {
-      fp16x2_to_f32(raw.x, v.x, v.y);
-      fp16x2_to_f32(raw.y, v.z, v.w);
-    }
-    return v;
+    tma_load_rows<MCAST == 1, STREAM_B>(sb, tm_b, tm_b_edge, bar, kb * BK, n0, BN, N, rank);
   }
 }
 
-__device__ __forceinline__ u32 pack_out(float a, float b);
-
-template <int KIND>
-__device__ __forceinline__ void store4(void* base, i64 idx, f32x4 v) {
-  if constexpr (KIND == KIND_FP32) {
-    *reinterpret_cast<f32x4*>(reinterpret_cast<float*>(base) + idx) = v;
-  } else {
-    *reinterpret_cast<u32x2*>(reinterpret_cast<u16*>(base) + idx) = u32x2{pack_out(v.x, v.y), pack_out(v.z, v.w)};
+// Consumer c: k blocks [kb0, kb1) of a tile into acc (the first wgmma overwrites it). With two or more consumers
+// each waits for its own group and frees the stage at once: the other consumers' groups keep the tensor pipe busy
+// meanwhile, and the stage goes back to the producer a k block sooner (measured: 3-13% faster on large shapes
+// than keeping a group in flight). A lone consumer keeps one group in flight (after issuing k block kb, it waits
+// for kb-1's group and releases that stage).
+__device__ __forceinline__ void mma_k_blocks(float (&acc)[ACC], const Ring& ring, Pipe& st, u8* smem, int kb0,
+                                             int kb1, int c, int lane, u32 rank) {
+  constexpr int IN_FLIGHT = CONSUMERS > 1 ? 0 : 1;
+  int prev = -1;
+  for (int kb = kb0; kb < kb1; ++kb) {
+    ring.wait(st);
+    const u64 da = wgmma_desc_sw128(smem + st.stage * A_STAGE + c * 64 * 128);
+#if B_KN
+    const u64 db = wgmma_desc_mn_sw128(smem + SMEM_B + st.stage * B_STAGE, B_PANEL_BYTES);
+    constexpr u64 DB_STEP = (16 * 128) >> 4;  // 16 K rows of 128 bytes
+#else
+    const u64 db = wgmma_desc_sw128(smem + SMEM_B + st.stage * B_STAGE);
+    constexpr u64 DB_STEP = 2;                // 16 K elements = 32 bytes
+#endif
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < BK / 16; ++k)  // A: 16 elements = 32 bytes = 2 descriptor units along K
+      Wgmma<WgIn, BN>::template mma<B_KN>(acc, da + 2 * k, db + DB_STEP * k, (kb != kb0) || k != 0);
+    wgmma_commit();
+    wgmma_wait<IN_FLIGHT>();
+    if (IN_FLIGHT == 0 && lane == 0) ring.release(st.stage, rank);
+    if (IN_FLIGHT == 1 && prev >= 0 && lane == 0) ring.release(prev, rank);
+    prev = st.stage;
+    st.advance();
   }
-}
-
-__device__ __forceinline__ u32 pack_out(float a, float b) {
-#if OUT_KIND == KIND_BF16
-  return f32x2_to_bf16x2(a, b);
-#else
-  u32 r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-  return r;
-#endif
-}
-
-// Write this consumer's chunk j (columns j*CH .. j*CH+CH-1 of its 64 x BN accumulator) into `buf`, laid out as
-// the output map's swizzle expects: 16-bit outputs with stmatrix, fp32 as 8-byte pairs.
-__device__ __forceinline__ void chunk_to_smem(const float* acc, int j, u8* buf, int warp, int lane) {
-#if EPI == EPI_STORE && OUT_KIND != KIND_FP32
-  stmatrix_chunk<CH>(acc, j, buf, warp, lane, [](float a, float b) { return pack_out(a, b); });
-#else
-  f32_chunk<CH>(acc, j, buf, warp, lane);
-#endif
+  wgmma_wait<0>();
+  fence_registers(acc);
+  if (IN_FLIGHT == 1 && prev >= 0 && lane == 0) ring.release(prev, rank);
 }
 
 // tm_a / tm_b: A and [N, K] B with boxes {BK, rows a CTA loads of a tile} (its half when shared), 128-byte
@@ -174,217 +180,68 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     const __grid_constant__ CUtensorMap_st tm_a_edge, const __grid_constant__ CUtensorMap_st tm_b_edge,
     const __grid_constant__ CUtensorMap_st tm_out, void* d, i64 ld_d, float* w, i64 ld_w, const void* c_ptr,
     i64 ld_c, int* counters, int M, int N, int K, int splits, int group_m) {
-  extern __shared__ u8 smem_raw[];
-  u8* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  u64* full = reinterpret_cast<u64*>(smem + SMEM_BARS);
-  u64* empty = full + STAGES;
-  int* flags = reinterpret_cast<int*>(smem + SMEM_FLAGS);
-
-  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
-  const int cl_tiles_m = MCAST == 1 ? (tiles_m + 1) / 2 : tiles_m;
-  const int cl_tiles_n = MCAST == 2 ? (tiles_n + 1) / 2 : tiles_n;
-  const int units = cl_tiles_m * cl_tiles_n * splits;
-  const int k_blocks = (K + BK - 1) / BK;
-  const int first_unit = blockIdx.x / CLUSTER, unit_step = gridDim.x / CLUSTER;
+  u8* smem = smem_aligned_1024();
+  const Ring ring(smem + SMEM_BARS);
   const u32 rank = MCAST ? cluster_rank() : 0;
+  const GemmScheduler<BM, BN, BK, MCAST> sched(M, N, K, splits, 1, group_m, nullptr, rank, CLUSTER);
   const int wg = warpgroup_index();
   const int tid = threadIdx.x % 128;
+  kernel_prologue<MCAST != 0>(ring, CLUSTER * CONSUMERS * 4, &tm_a, &tm_b, &tm_a_edge, &tm_b_edge, &tm_out);
 
-  if (threadIdx.x == 0) {
-    tma_prefetch_map(&tm_a);
-    tma_prefetch_map(&tm_b);
-    tma_prefetch_map(&tm_a_edge);
-    tma_prefetch_map(&tm_b_edge);
-    tma_prefetch_map(&tm_out);
-  }
-  pipeline_init<MCAST != 0>(full, empty, STAGES, CLUSTER * CONSUMERS * 4);
-  pdl_wait();  // programmatic dependent launch: the previous kernel's writes (and reads) are done from here on
-
-  if (wg == 0) {
-    // ---- producer ----
+  if (wg == 0) {  // ---- producer: one thread issues the loads ----
     regs_decrease<PRODUCER_REGS>();
     if (tid != 0) return;
-    int s = 0;
-    u32 phase = 0;
-    for (int unit = first_unit; unit < units; unit += unit_step) {
-      const Work wk = unit_work<MCAST>(unit, splits, cl_tiles_m, cl_tiles_n, group_m, rank);
-      const int m0 = wk.tm * BM, n0 = wk.tn * BN;
-      for (int kb = wk.split * k_blocks / splits; kb < (wk.split + 1) * k_blocks / splits; ++kb) {
-        mbar_wait(&empty[s], phase ^ 1);
-        u8* sa = smem + s * A_STAGE;
-        u8* sb = smem + SMEM_B + s * B_STAGE;
-        // [K, N] B: panels wholly past N are not loaded
-        const int b_bytes = B_KN ? min(B_PANELS, max(0, (N - n0 + 63) / 64)) * B_PANEL_BYTES
-                                 : rows_in_bounds(n0, BN, N) * 128;
-        mbar_arrive_expect_tx(&full[s], rows_in_bounds(m0, BM, M) * 128 + b_bytes);
-        tma_load_rows<MCAST == 2>(sa, &tm_a, &tm_a_edge, &full[s], kb * BK, m0, BM, M, rank);
-#if B_KN
-        for (int p = 0; p * B_PANEL_BYTES < b_bytes; ++p)
-          tma_load_2d<STREAM_B>(sb + p * B_PANEL_BYTES, &tm_b, &full[s], n0 + p * 64, kb * BK);
-#else
-        tma_load_rows<MCAST == 1, STREAM_B>(sb, &tm_b, &tm_b_edge, &full[s], kb * BK, n0, BN, N, rank);
-#endif
-        if (++s == STAGES) { s = 0; phase ^= 1; }
+    Pipe st;
+    for (int unit = sched.first; sched.more(unit); unit = sched.next(unit)) {
+      const GemmTile t = sched.tile(unit);
+      for (int kb = t.kb0; kb < t.kb1; ++kb) {
+        load_k_block(ring, st, smem, &tm_a, &tm_b, &tm_a_edge, &tm_b_edge, kb, t.m0, t.n0, M, N, rank);
+        st.advance();
       }
     }
-    producer_finish<MCAST>(empty, s, phase, STAGES);
+    ring.producer_finish(st);
     return;
   }
 
-  // ---- consumers ----
+  // ---- consumers: consumer c owns the 64-row slice c of every tile ----
   regs_increase<CONSUMER_REGS>();
-  const int c = wg - 1;          // which 64-row slice of the tile
+  const int c = wg - 1;
   const int warp = tid / 32, lane = tid % 32;
   u8* d_smem = smem + SMEM_D + c * D_ROWS_BYTES;
+  int* flag = reinterpret_cast<int*>(smem + SMEM_FLAGS) + c;
   float acc[ACC];
 #pragma unroll
   for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
 
-  int s = 0;
-  u32 phase = 0;
+  Pipe st;
   u32 chunk_seq = 0;  // every output chunk this consumer issues; picks the buffer
-  for (int unit = first_unit; unit < units; unit += unit_step) {
-    const Work wk = unit_work<MCAST>(unit, splits, cl_tiles_m, cl_tiles_n, group_m, rank);
-    const int split = wk.split;
-    const int m0 = wk.tm * BM, n0 = wk.tn * BN;
-    const int kb0 = split * k_blocks / splits, kb1 = (split + 1) * k_blocks / splits;
-    // With two or more consumers each waits for its own group and frees the stage at once: the other consumers'
-    // groups keep the tensor pipe busy meanwhile, and the stage goes back to the producer a k block sooner
-    // (measured: 3-13% faster on large shapes than keeping a group in flight). A lone consumer keeps one group in
-    // flight (after issuing k block kb, it waits for kb-1's group and releases that stage).
-    constexpr int IN_FLIGHT = CONSUMERS > 1 ? 0 : 1;
-    int prev = -1;
-    for (int kb = kb0; kb < kb1; ++kb) {
-      mbar_wait(&full[s], phase);
-      const u64 da = wgmma_desc_sw128(smem + s * A_STAGE + c * 64 * 128);
-#if B_KN
-      const u64 db = wgmma_desc_mn_sw128(smem + SMEM_B + s * B_STAGE, B_PANEL_BYTES);
-      constexpr u64 DB_STEP = (16 * 128) >> 4;  // 16 K rows of 128 bytes
-#else
-      const u64 db = wgmma_desc_sw128(smem + SMEM_B + s * B_STAGE);
-      constexpr u64 DB_STEP = 2;                // 16 K elements = 32 bytes
-#endif
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < BK / 16; ++k)  // A: 16 elements = 32 bytes = 2 descriptor units along K
-        Wgmma<WgIn, BN>::template mma<B_KN>(acc, da + 2 * k, db + DB_STEP * k, (kb != kb0) || k != 0);
-      wgmma_commit();
-      wgmma_wait<IN_FLIGHT>();
-      if (IN_FLIGHT == 0 && lane == 0) release_stage<MCAST>(&empty[s], rank);
-      if (IN_FLIGHT == 1 && prev >= 0 && lane == 0) release_stage<MCAST>(&empty[prev], rank);
-      prev = s;
-      if (++s == STAGES) { s = 0; phase ^= 1; }
-    }
-    wgmma_wait<0>();
-    fence_registers(acc);
-    if (IN_FLIGHT == 1 && prev >= 0 && lane == 0) release_stage<MCAST>(&empty[prev], rank);
+  for (int unit = sched.first; sched.more(unit); unit = sched.next(unit)) {
+    const GemmTile t = sched.tile(unit);
+    mma_k_blocks(acc, ring, st, smem, t.kb0, t.kb1, c, lane, rank);
+    const int row0 = t.m0 + c * 64;  // first row of this consumer's slice
+    if (row0 >= M || t.n0 >= N) continue;  // a slice past the edge (BM rows beyond M, or a cluster's spare tile)
+    if constexpr (EPI == EPI_STORE && C_KIND != KIND_NONE) add_to_fragment<C_KIND>(acc, c_ptr, ld_c, row0, t.n0, M, N, warp, lane);
 
-    const int row0 = m0 + c * 64;  // first row of this consumer's slice
-    if (row0 >= M || n0 >= N) continue;  // a slice past the edge (BM rows beyond M, or a cluster's spare tile)
-#if EPI == EPI_STORE && C_KIND != KIND_NONE
-    {  // D = acc + C: add C into the accumulators (fragment layout: rows r and r + 8, column pairs)
-      const int r = row0 + warp * 16 + lane / 4;
-#pragma unroll
-      for (int i = 0; i < ACC / 4; ++i) {
-        const int gc = n0 + i * 8 + (lane % 4) * 2;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (r + 8 * h < M && gc < N) {  // N is even, so gc + 1 < N too
-            acc[4 * i + 2 * h] += load_elem<C_KIND>(c_ptr, (r + 8 * h) * ld_c + gc);
-            acc[4 * i + 2 * h + 1] += load_elem<C_KIND>(c_ptr, (r + 8 * h) * ld_c + gc + 1);
-          }
-        }
-      }
+    // registers -> shared (64 x CH chunks, two buffers) -> TMA store, or reduce-add of a split-K partial
+    const auto store = [&] {
+      tma_store_chunks<CHUNKS, CH, EPI != EPI_STORE>(&tm_out, d_smem, CHUNK_BYTES, chunk_seq, t.n0, row0, tid, 1 + c,
+                                                     [&](int j, u8* buf) {
+                                                       chunk_to_smem<EPI == EPI_STORE ? OUT_KIND : KIND_FP32, CH>(
+                                                           acc, j, buf, warp, lane);
+                                                     });
+    };
+    if constexpr (EPI == EPI_STORE) {
+      store();
+    } else {
+      // Three consumers have 152 registers: four loads in flight, not eight.
+      constexpr int FIN_LOADS = 64 * BN / 4 >= 128 * 8 && CONSUMERS < 3 ? 8 : 4;
+      split_k_epilogue<DETERMINISTIC, EPI == EPI_SPLIT>(
+          counters + sched.tile_index(t) * CONSUMERS + c, flag, t.split, splits, sched.one_wave(), tid, 1 + c, store,
+          [&](int r_lo, int r_hi) {
+            split_k_finish<OUT_KIND, C_KIND, BN, FIN_LOADS>(d, ld_d, w, ld_w, c_ptr, ld_c, row0 + r_lo, r_hi - r_lo,
+                                                           t.n0, M, N, tid);
+          });
     }
-#endif
-
-    // Epilogue: registers -> shared (64 x CH chunks, two buffers) -> TMA store or reduce-add.
-#if EPI != EPI_STORE
-    const int slice = (wk.tn * tiles_m + wk.tm) * CONSUMERS + c;
-    // The waits below spin in the whole of warp 0 on a warp-uniform value, not in thread 0 alone: a spin loop in
-    // one thread makes the consumer's control flow divergent to ptxas, which then keeps the main loop's stage and
-    // wgmma descriptors in ordinary registers (R2UR before every wgmma).
-    const bool lead_warp = warp_uniform(warp) == 0;
-    if (DETERMINISTIC && splits > 1 && lead_warp) {
-      while (warp_uniform(load_acquire_gpu(&counters[slice])) != split) {  // K order: the previous split's add
-      }
-    }
-#endif
-    tma_store_chunks<CHUNKS, CH, EPI != EPI_STORE>(&tm_out, d_smem, CHUNK_BYTES, chunk_seq, n0, row0, tid, 1 + c,
-                                                   [&](int j, u8* buf) { chunk_to_smem(acc, j, buf, warp, lane); });
-#if EPI != EPI_STORE
-    // With every unit resident at once (one wave), all splits of a slice wait until the last partial is in and each
-    // then finishes 1/S of its rows; otherwise (forced splits beyond one wave) the last split finishes the slice.
-    const bool spread = EPI == EPI_SPLIT && units <= unit_step;
-    int passed = 0;  // spread: splits past the wait before this one (second round of counts, read after the finish)
-    if (lead_warp && COUNTED && splits > 1) {
-      bulk_wait<0>();  // the partial is in global memory, not just read out of shared memory (thread 0's stores)
-      fence_proxy_async_global();
-      fence_acq_rel_gpu();
-      bool last = false;
-      if (DETERMINISTIC) {
-        last = split == splits - 1;
-        if ((!last || spread) && lane == 0) store_release_gpu(&counters[slice], split + 1);
-      } else if (spread) {
-        if (lane == 0) red_add_relaxed_gpu(&counters[slice], 1);  // no reply to wait for: every split polls below
-      } else {
-        last = warp_uniform(lane == 0 ? atomic_add_relaxed_gpu(&counters[slice], 1) : 0) == splits - 1;
-      }
-      if (spread) {  // the acquire orders the finish's reads of W (generic loads) after the other partials
-        while (warp_uniform(load_acquire_gpu(&counters[slice])) < splits) {
-          __nanosleep(32);  // fewer polls of a hot line while the partials still stream into L2
-        }
-        if (lane == 0) passed = atomic_add_relaxed_gpu(&counters[slice], 1);  // its reply overlaps the finish
-      } else if (last) {
-        fence_acq_rel_gpu();
-        fence_proxy_async_global();
-      }
-      if (lane == 0) flags[c] = last || spread;
-    }
-#if EPI == EPI_SPLIT
-    if (splits > 1) {
-      named_barrier(1 + c, 128);  // every thread sees flags[c], after tid 0's acquire
-      if (flags[c]) {
-        // D = W (+ C) for this slice's rows [r_lo, r_hi), then zero them in W. FIN_LOADS independent 16-byte loads
-        // per thread are in flight before any store (the latency, not the bytes, is what this step costs). N is a
-        // multiple of 4, so a 4-column group is wholly in or out.
-        const int r_lo = spread ? split * 64 / splits : 0, r_hi = spread ? (split + 1) * 64 / splits : 64;
-        const int groups = (r_hi - r_lo) * (BN / 4);
-        constexpr int FIN_LOADS = 64 * BN / 4 >= 128 * 8 && CONSUMERS < 3 ? 8 : 4;  // three consumers: 152 registers
-        for (int base = tid; base < groups; base += 128 * FIN_LOADS) {
-          f32x4 v[FIN_LOADS];
-          i64 wi[FIN_LOADS], di[FIN_LOADS], ci[FIN_LOADS];
-          bool ok[FIN_LOADS];
-#pragma unroll
-          for (int j = 0; j < FIN_LOADS; ++j) {
-            const int g = base + j * 128;
-            const int gr = row0 + r_lo + g / (BN / 4), gc = n0 + (g % (BN / 4)) * 4;
-            ok[j] = g < groups && gr < M && gc < N;
-            wi[j] = gr * ld_w + gc;
-            di[j] = gr * ld_d + gc;
-            ci[j] = gr * ld_c + gc;
-            if (ok[j]) v[j] = ld_cg_f32x4(w + wi[j]);
-          }
-#pragma unroll
-          for (int j = 0; j < FIN_LOADS; ++j) {
-            if (!ok[j]) continue;
-#if C_KIND != KIND_NONE
-            const f32x4 cv = load4<C_KIND>(c_ptr, ci[j]);
-            v[j].x += cv.x; v[j].y += cv.y; v[j].z += cv.z; v[j].w += cv.w;
-#endif
-            store4<OUT_KIND>(d, di[j], v[j]);
-            *reinterpret_cast<f32x4*>(w + wi[j]) = f32x4{0.f, 0.f, 0.f, 0.f};
-          }
-        }
-        if (tid == 0) {
-          if (!spread || passed == 2 * splits - 1) counters[slice] = 0;  // (spread: every split is past its wait)
-        }
-      }
-    }
-#else
-    if (DETERMINISTIC && splits > 1 && tid == 0 && flags[c]) counters[slice] = 0;
-#endif
-#endif
   }
-  if (tid == 0) bulk_wait<0>();
+  epilogue_drain(tid);
 }

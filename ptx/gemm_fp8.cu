@@ -28,9 +28,9 @@
 //
 // BM = 256 (BN <= 128) gives each of the two consumers 128 rows, run as two m64 row blocks one after the other
 // through the one scratch accumulator: a 256-row tile reads a third less from L2 per flop than a 128-row one,
-// and the main loop of the 128-row tiles is bound by those reads (docs/perf-notes.md). The two consumers issue
+// and the main loop of the 128-row tiles is bound by those reads. The two consumers issue
 // freely: with the descriptors in uniform registers, making them take turns (named-barrier ping-pong) no longer
-// paid (H100: 1-3% slower, docs/perf-notes.md session 13).
+// paid (H100: 1-3% slower).
 //
 // One row block of at most 128 columns per consumer (BM 64 or 128, not the weight gradient): two scratch sets, k
 // block kb + 1 issued before kb is promoted (TwoScratch).
@@ -45,22 +45,20 @@
 // hardware runs together, so clusters beyond those resident just run later). After the main loop the partials
 // are summed through distributed shared memory (`cluster_split_sum`: fixed order, bitwise reproducible), each CTA
 // writing 1 / KSPLIT of the tile's rows with direct bf16 stores. For M <= 128 a tile streams all of A's rows
-// for a few columns of B; splitting K gives each CTA a KSPLIT-th of both (docs/perf-notes.md).
+// for a few columns of B; splitting K gives each CTA a KSPLIT-th of both.
 //
 // STREAM_B = 1 loads B with an evict-first L2 policy, as in gemm.cu.
 //
 // Compile-time parameters: BM (64, 128, 256), BN (16..256, step 16; 256 rows: up to 128), STAGES, MCAST, LAYOUT,
 // KSPLIT, STREAM_B.
-#include "common/gemm_tiles.cuh"
+#include "common/epilogue.cuh"
+#include "common/pipeline.cuh"
+#include "common/scheduler.cuh"
 #include "common/wgmma_ops.cuh"
 
 #ifndef MCAST
 #define MCAST 0
 #endif
-#define LAYOUT_NORMAL 0
-#define LAYOUT_CONTIGUOUS 1
-#define LAYOUT_MASKED 2
-#define LAYOUT_KGROUPED 3
 #ifndef LAYOUT
 #define LAYOUT LAYOUT_NORMAL
 #endif
@@ -83,20 +81,19 @@ constexpr int A_STAGE = BM * BK;
 constexpr int B_STAGE = BN * BK;
 constexpr int SA_STAGE = BM * 4;
 constexpr bool WGRAD = LAYOUT == LAYOUT_KGROUPED;
-constexpr bool PER_GROUP_TILES = LAYOUT == LAYOUT_MASKED || LAYOUT == LAYOUT_KGROUPED;  // M counts a group's rows
 constexpr int SB_BYTES = WGRAD ? BN * 4 : 0;  // this k block's 1x128 scales of B's BN rows
 constexpr int SB_STAGE = (SB_BYTES + 127) / 128 * 128;  // TMA writes shared memory at 128-byte boundaries
 constexpr int OUT_BYTES = WGRAD ? 4 : 2;
 // Output chunk rows of at most 128 bytes (one swizzle span); 64 with 256-column tiles, whose smaller chunk buffers
 // let a fourth stage fit. 256-row tiles take 128-byte chunks and three stages: each chunk costs ~0.15 us of the
-// epilogue, and three stages fed the main loop as well as four (H100: 3-4% faster, docs/perf-notes.md session 11).
+// epilogue, and three stages fed the main loop as well as four (H100: 3-4% faster).
 constexpr int CH_MAX = (A_IN_REGS ? 64 : 128) / OUT_BYTES;
 constexpr int CH = BN % CH_MAX == 0 ? CH_MAX : BN % 32 == 0 ? 32 : 16;
 constexpr int CHUNKS = BN / CH;
 constexpr int CHUNK_BYTES = 64 * CH * OUT_BYTES;
 // Tiles of 128..192 columns: each consumer stages its whole WG_ROWS x BN result (WHOLE_OUT), so the epilogue writes
 // every chunk and then stores them all: no per-chunk barriers, and the wait for the buffers' previous stores falls
-// a main loop after them (H100: 3-10% on K <= 2048 at M = 4096, docs/perf-notes.md session 12). 256-column tiles and
+// a main loop after them (H100: 3-10% on K <= 2048 at M = 4096). 256-column tiles and
 // the weight gradient (fp32) keep a ring of two chunk buffers (their whole slice would cost a stage), and so do
 // narrower tiles (a single row of tiles, where it measured no better).
 constexpr bool WHOLE_OUT = !A_IN_REGS && !WGRAD && BN >= 128;
@@ -166,6 +163,10 @@ constexpr int SMEM_D = (SMEM_SB + STAGES * SB_STAGE + 1023) / 1024 * 1024;
 constexpr int SMEM_BARS = SMEM_D + CONSUMERS * OUT_BUFS * CHUNK_BYTES;  // then 2 x STAGES mbarriers
 static_assert(KSPLIT == 1 || CONSUMERS * 64 * SPLIT_ROW(BN) * 4 <= SMEM_BARS, "split-K partials reuse the stages");
 
+typedef StageRing<STAGES, MCAST> Ring;
+typedef PipeState<STAGES> Pipe;
+typedef GemmScheduler<BM, BN, BK, MCAST, LAYOUT, KSPLIT> Scheduler;
+
 // One k block of 128 (four k32 steps, 32 e4m3 = 32 bytes = 2 descriptor units along K) into `part`, with A from
 // shared memory (da) or from registers (REGS).
 template <bool REGS, int N>
@@ -180,76 +181,114 @@ __device__ __forceinline__ void qgmma_k_block(float (&part)[N], const u32 (&a)[B
   }
 }
 
-// The main loop with two scratch sets (SCRATCH2): k block kb + 1 is issued into one set before kb, in the other,
-// is promoted, so a consumer keeps the tensor pipe fed while it promotes. A lone consumer (BM = 64) has nobody
-// else to fill that gap: 3-12% on the M <= 128 shapes, neutral on 128 x 128 tiles (H100, docs/perf-notes.md).
-// The loop is peeled so that every wgmma group is issued unconditionally: with a conditional issue ptxas could not
-// tell which group a wait retires and serialized all wgmma.
-struct TwoScratch {
-  float part[2][PART_N / 2];
-  u64 da0, db0;  // descriptors of stage 0's A rows (this consumer's) and B
-  u64* full;
-  u64* empty;
-  const u8* smem;
-  const float* sbk;  // B's scales at the next k block to promote
-  int sb_next1, sb_next2;
-  i64 sb_col;
-  int first_next, c, warp, lane;
-  u32 rank;
-  int s;  // stage of the next k block to promote
-  u32 phase;
+// B's scales of one tile, walked along its k blocks (not for the weight gradient, whose 1x128 scales of B come
+// through the stages). Column group i (8 columns) of the tile lies in B's scale block n0 / 128 + (8 i >= first_next)
+// + (8 i >= first_next + 128) (first_next: 16..128). Blocks past N are clamped (their columns are not stored).
+struct ScalesB {
+  const float* p;    // the tile's first scale block, at the next k block
+  int next1, next2;  // offsets of its second and third blocks (sB is small: int offsets)
+  i64 step;          // one k block
+  int first_next;
 
-  __device__ __forceinline__ static void advance(int& st, u32& ph) {
-    if (++st == STAGES) { st = 0; ph ^= 1; }
+  ScalesB() = default;
+  __device__ __forceinline__ ScalesB(const GemmTile& t, const float* sb, i64 sb_group, i64 sb_row, i64 sb_col,
+                                     int N) {
+    const int n_blocks = (N + 127) / 128;
+    first_next = 128 - t.n0 % 128;
+    const int nb0 = min(t.n0 / 128, n_blocks - 1);
+    p = sb + (WGRAD ? 0 : max(t.g, 0) * sb_group) + nb0 * sb_row + t.kb0 * sb_col;
+    next1 = int((min(t.n0 / 128 + 1, n_blocks - 1) - nb0) * sb_row);
+    next2 = int((min(t.n0 / 128 + 2, n_blocks - 1) - nb0) * sb_row);
+    step = sb_col;
   }
 
-  // Wait for stage st and issue its k block into part[J].
+  // This k block's scales of the (up to three) blocks; L1/L2 hits.
+  __device__ __forceinline__ void next(float& b0, float& b1, float& b2) {
+    b0 = __ldg(p);
+    b1 = SB_BLOCKS > 1 ? __ldg(p + next1) : 0.f;
+    b2 = SB_BLOCKS > 2 ? __ldg(p + next2) : 0.f;
+    p += step;
+  }
+};
+
+// A consumer's main loop: k blocks from the stage ring into `part` (scratch), promoted into the fp32 result with
+// sA x sB. c: the consumer (its WG_ROWS rows of the tile).
+struct Mainloop {
+  const Ring& ring;
+  Pipe st;       // stage of the next k block to promote
+  u64 da0, db0;  // descriptors of stage 0 (this consumer's rows of A, and B): a stage's are these plus its offset,
+                 // which keeps the address arithmetic between a stage's full barrier and its first wgmma short
+  const u8* smem;
+  const u8* sa_smem;  // sA stage 0 (opaque to the compiler, so that a stage's address is one add from it)
+  ScalesB sb;  // the current tile's
+  int c, warp, lane;
+  u32 rank;
+  float part[2][PART_N / 2];  // scratch accumulators (two sets, or part[0] alone)
+
+  __device__ __forceinline__ Mainloop(const Ring& ring_, const u8* smem_, int c_, int tid, u32 rank_)
+      : ring(ring_),
+        da0(wgmma_desc_sw128(smem_ + c_ * WG_ROWS * 128)),
+        db0(wgmma_desc_sw128(smem_ + SMEM_B)),
+        smem(smem_),
+        sa_smem(smem_ + SMEM_SA),
+        c(c_),
+        warp(tid / 32),
+        lane(tid % 32),
+        rank(rank_) {
+    asm("" : "+l"(sa_smem));
+  }
+
+  // ---- two scratch sets (SCRATCH2) ----
+  // k block kb + 1 is issued into one set before kb, in the other, is promoted, so a consumer keeps the tensor pipe
+  // fed while it promotes. A lone consumer (BM = 64) has nobody else to fill that gap: 3-12% on the M <= 128
+  // shapes, neutral on 128 x 128 tiles (H100). The loop is peeled so that every wgmma group is issued
+  // unconditionally: with a conditional issue ptxas could not tell which group a wait retires and serialized all
+  // wgmma.
+
+  // Wait for stage `is` and issue its k block into part[J].
   template <int J>
-  __device__ __forceinline__ void issue(int st, u32 ph) {
-    mbar_wait(&full[st], ph);
+  __device__ __forceinline__ void issue(Pipe is) {
+    ring.wait(is);
     wgmma_fence();
-    qgmma_k_block<false>(part[J], {}, da0 + u64(st * (A_STAGE >> 4)), db0 + u64(st * (B_STAGE >> 4)));
+    qgmma_k_block<false>(part[J], {}, da0 + u64(is.stage * (A_STAGE >> 4)), db0 + u64(is.stage * (B_STAGE >> 4)));
     wgmma_commit();
   }
 
-  // Promote part[J] (stage s, whose wgmma group has completed) and hand the stage back.
+  // Promote part[J] (stage st, whose wgmma group has completed) and hand the stage back.
   template <int J>
   __device__ __forceinline__ void promote_stage(float* acc) {
     fence_registers(part[J]);
-    const float scale_b0 = __ldg(sbk);
-    const float scale_b1 = SB_BLOCKS > 1 ? __ldg(sbk + sb_next1) : 0.f;
-    const float scale_b2 = SB_BLOCKS > 2 ? __ldg(sbk + sb_next2) : 0.f;
-    sbk += sb_col;
-    const float* sa = reinterpret_cast<const float*>(smem + SMEM_SA + s * SA_STAGE) + c * 64 + warp * 16;
+    float scale_b0, scale_b1, scale_b2;
+    sb.next(scale_b0, scale_b1, scale_b2);
+    const float* sa = reinterpret_cast<const float*>(sa_smem + st.stage * SA_STAGE) + c * 64 + warp * 16;
     const float sa0 = sa[lane / 4], sa1 = sa[lane / 4 + 8];
     const float sc[3][2] = {{sa0 * scale_b0, sa1 * scale_b0}, {sa0 * scale_b1, sa1 * scale_b1},
                             {sa0 * scale_b2, sa1 * scale_b2}};
     __syncwarp();  // every lane's sA is in registers (used above) before the stage goes back
-    if (lane == 0) release_stage<MCAST>(&empty[s], rank);
-    promote<PART_N>(first_next, acc, part[J], sc, 0);
-    advance(s, phase);
+    if (lane == 0) ring.release(st.stage, rank);
+    promote<PART_N>(sb.first_next, acc, part[J], sc, 0);
+    st.advance();
   }
 
-  // All k blocks of one tile; s / phase: the tile's first stage on entry, the next tile's on return.
-  __device__ __forceinline__ void run(float* acc, int n) {
+  // All n k blocks of one tile.
+  __device__ __forceinline__ void run_two_sets(float* acc, int n) {
     if (n <= 0) return;
-    int is = s;  // stage / phase of the next k block to issue
-    u32 iph = phase;
-    issue<0>(is, iph);
-    advance(is, iph);
+    Pipe is = st;  // stage of the next k block to issue
+    issue<0>(is);
+    is.advance();
     int i = 0;
     for (; i + 2 < n; i += 2) {
-      issue<1>(is, iph);
-      advance(is, iph);
+      issue<1>(is);
+      is.advance();
       wgmma_wait<1>();
       promote_stage<0>(acc);
-      issue<0>(is, iph);
-      advance(is, iph);
+      issue<0>(is);
+      is.advance();
       wgmma_wait<1>();
       promote_stage<1>(acc);
     }
     if (i + 2 == n) {
-      issue<1>(is, iph);
+      issue<1>(is);
       wgmma_wait<1>();
       promote_stage<0>(acc);
       wgmma_wait<0>();
@@ -259,239 +298,45 @@ struct TwoScratch {
       promote_stage<0>(acc);
     }
   }
-};
 
-// One tile of work: where its operands and output live and which k blocks it sums.
-struct Tile {
-  int m0, n0;        // tile origin in D's rows of its group and D's columns
-  int g;             // group
-  int a_row, b_row;  // first row of the A and B tiles in their (flattened) maps
-  int d_row;         // first row of the tile in D's (flattened) map
-  int kb0, kb1;      // k blocks [kb0, kb1)
-  int rows;          // rows of the group that may be written: the tile's rows from m0 below `rows`
-  bool skip;         // nothing to compute (padding, masked out, empty k range)
-};
-
-__device__ __forceinline__ Tile tile_of(int unit, int per_group, int cl_tiles_m, int cl_tiles_n, int group_m,
-                                        u32 rank, const int* info, int M, int N, int K, int groups) {
-  const int g = PER_GROUP_TILES ? unit / per_group : 0;
-  const Work wk = unit_work<MCAST>(PER_GROUP_TILES ? unit % per_group : unit, 1, cl_tiles_m, cl_tiles_n, group_m,
-                                   rank);
-  Tile t;
-  t.m0 = wk.tm * BM;
-  t.n0 = wk.tn * BN;
-  t.g = g;
-  t.a_row = t.d_row = t.m0;
-  t.b_row = t.n0;
-  t.kb0 = 0;
-  t.kb1 = (K + BK - 1) / BK;
-  t.rows = M;
-  t.skip = false;
-  if constexpr (LAYOUT == LAYOUT_CONTIGUOUS) {
-    t.g = __ldg(info + min(t.m0, M - 1));
-    t.skip = t.g < 0 || t.g >= groups;  // padding (or an id past the groups: treated alike)
-    t.b_row = max(t.g, 0) * N + t.n0;
-  } else if constexpr (LAYOUT == LAYOUT_MASKED) {
-    t.rows = min(__ldg(info + g), M);
-    // Both CTAs of a pair along M load for each other: skip only when the pair's first tile is masked out.
-    t.skip = (MCAST == 1 ? wk.tm & ~1 : wk.tm) * BM >= t.rows;
-    t.a_row = t.d_row = g * M + t.m0;
-    t.b_row = g * N + t.n0;
-  } else if constexpr (LAYOUT == LAYOUT_KGROUPED) {
-    t.kb0 = __ldg(info + g) / BK;
-    t.kb1 = __ldg(info + g + 1) / BK;
-    t.skip = t.kb1 <= t.kb0;
-    t.d_row = g * M + t.m0;
-  }
-  if constexpr (KSPLIT > 1) {  // this CTA's slice of K (cluster rank = slice)
-    const int blocks = t.kb1;
-    t.kb0 = int(rank) * blocks / KSPLIT;
-    t.kb1 = (int(rank) + 1) * blocks / KSPLIT;
-  }
-  return t;
-}
-
-// LAYOUT_CONTIGUOUS: the group of row r (from the tile's origin), -1 past the rows.
-__device__ __forceinline__ int row_group(const Tile& t, int r, const int* info) {
-  const int row = t.m0 + r;
-  return row < t.rows ? __ldg(info + row) : -1;
-}
-
-// Row r of the tile may be written (`group`: row_group's value for the contiguous layout, unused otherwise).
-__device__ __forceinline__ bool row_writable(const Tile& t, int r, int group) {
-  if constexpr (LAYOUT == LAYOUT_CONTIGUOUS) return group == t.g;  // a tile that is not skipped has t.g >= 0
-  return t.m0 + r < t.rows;
-}
-
-// tm_a / tm_b: boxes {128, rows a CTA loads of the tile} (halves when shared), 128-byte swizzle; tm_a_edge /
-// tm_b_edge: the same tensors with boxes of a group's rows of A (N) modulo those rows (tma_load_rows); tm_sa: the
-// M-major scales of A as a [K/128][M] fp32 tensor, box {BM, 1}; tm_sb (LAYOUT_KGROUPED): B's as [K/128][N], box
-// {BN, 1};
-// tm_d: D in bf16 (fp32 for LAYOUT_KGROUPED), box {CH, 64}, swizzle CH * OUT_BYTES. d / ld_d: D for the direct
-// writes. M, N, K: one group's GEMM (LAYOUT_CONTIGUOUS: M counts all rows; LAYOUT_KGROUPED: K counts all groups').
-extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
-    const __grid_constant__ CUtensorMap_st tm_a, const __grid_constant__ CUtensorMap_st tm_b,
-    const __grid_constant__ CUtensorMap_st tm_a_edge, const __grid_constant__ CUtensorMap_st tm_b_edge,
-    const __grid_constant__ CUtensorMap_st tm_sa, const __grid_constant__ CUtensorMap_st tm_sb,
-    const __grid_constant__ CUtensorMap_st tm_d, const float* sb, i64 sb_group, i64 sb_row, i64 sb_col,
-    const int* info, void* d, i64 ld_d, int M, int N, int K, int groups, int group_m) {
-  extern __shared__ u8 smem_raw[];
-  u8* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  u64* full = reinterpret_cast<u64*>(smem + SMEM_BARS);
-  u64* empty = full + STAGES;
-
-  const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
-  const int cl_tiles_m = MCAST == 1 ? (tiles_m + 1) / 2 : tiles_m;
-  const int cl_tiles_n = MCAST == 2 ? (tiles_n + 1) / 2 : tiles_n;
-  const int per_group = cl_tiles_m * cl_tiles_n;
-  const int units = PER_GROUP_TILES ? groups * per_group : per_group;
-  const int first_unit = blockIdx.x / CLUSTER, unit_step = gridDim.x / CLUSTER;
-  const u32 rank = CLUSTER > 1 ? cluster_rank() : 0;
-  const int wg = warpgroup_index();
-  const int tid = threadIdx.x % 128;
-
-  if (threadIdx.x == 0) {
-    tma_prefetch_map(&tm_a);
-    tma_prefetch_map(&tm_b);
-    tma_prefetch_map(&tm_a_edge);
-    tma_prefetch_map(&tm_b_edge);
-    tma_prefetch_map(&tm_sa);
-    if (WGRAD) tma_prefetch_map(&tm_sb);
-    tma_prefetch_map(&tm_d);
-  }
-  pipeline_init<(CLUSTER > 1)>(full, empty, STAGES, (MCAST ? 2 : 1) * CONSUMERS * 4);
-  // Launched with programmatic dependent launch: the set-up above overlapped the previous kernel's tail; from
-  // here on we touch global memory that it may have written (or still read).
-  pdl_wait();
-
-  if (wg == 0) {
-    // ---- producer ----
-    regs_decrease<PRODUCER_REGS>();
-    const int a_rows = LAYOUT == LAYOUT_MASKED ? groups * M : M;  // rows of A's and B's (flattened) maps
-    const int b_rows = LAYOUT == LAYOUT_MASKED || LAYOUT == LAYOUT_CONTIGUOUS ? groups * N : N;
-    if (tid == 0) {  // one thread issues the loads
-      int s = 0;
-      u32 phase = 0;
-      for (int unit = first_unit; unit < units; unit += unit_step) {
-        const Tile t = tile_of(unit, per_group, cl_tiles_m, cl_tiles_n, group_m, rank, info, M, N, K, groups);
-        if (t.skip) continue;
-        for (int kb = t.kb0; kb < t.kb1; ++kb) {
-          mbar_wait(&empty[s], phase ^ 1);
-          const int ab_rows = rows_in_bounds(t.a_row, BM, a_rows) + rows_in_bounds(t.b_row, BN, b_rows);
-          mbar_arrive_expect_tx(&full[s], ab_rows * 128 + SA_STAGE + SB_BYTES);
-          tma_load_rows<MCAST == 2>(smem + s * A_STAGE, &tm_a, &tm_a_edge, &full[s], kb * BK, t.a_row, BM, a_rows,
-                                    rank);
-          tma_load_rows<MCAST == 1, STREAM_B>(smem + SMEM_B + s * B_STAGE, &tm_b, &tm_b_edge, &full[s], kb * BK,
-                                              t.b_row, BN, b_rows, rank);
-          tma_load_2d(smem + SMEM_SA + s * SA_STAGE, &tm_sa, &full[s], t.a_row, kb);
-          if (WGRAD) tma_load_2d(smem + SMEM_SB + s * SB_STAGE, &tm_sb, &full[s], t.n0, kb);
-          if (++s == STAGES) { s = 0; phase ^= 1; }
-        }
-      }
-      producer_finish<MCAST>(empty, s, phase, STAGES);
-    }
-    if (KSPLIT > 1) split_sync_only();  // the whole warpgroup, together
-    return;
-  }
-
-  // ---- consumers ----
-  regs_increase<CONSUMER_REGS>();
-  const int c = wg - 1;  // which 64-row slice of the tile
-  const int warp = tid / 32, lane = tid % 32;
-  const int n_blocks = (N + 127) / 128;
-  u8* d_smem = smem + SMEM_D + c * OUT_BUFS * CHUNK_BYTES;
-  float acc[SUBS][ACC], part[PART_N / 2];
-  // Descriptors of stage 0 (this consumer's rows of A, and B): a stage's are these plus its offset, which keeps
-  // the address arithmetic between a stage's full barrier and its first wgmma short.
-  const u64 da0 = wgmma_desc_sw128(smem + c * WG_ROWS * 128), db0 = wgmma_desc_sw128(smem + SMEM_B);
-
-  int s = 0;
-  u32 phase = 0;
-  u32 chunk_seq = 0;
-  for (int unit = first_unit; unit < units; unit += unit_step) {
-    const Tile t = tile_of(unit, per_group, cl_tiles_m, cl_tiles_n, group_m, rank, info, M, N, K, groups);
-    if (t.skip) continue;
-    // Contiguous 256-row tiles: this thread's rows' groups, loaded now and compared in the epilogue (128-row
-    // tiles load them there: held through the main loop, they made NVRTC 13.5's ptxas spill on 128 x 192).
-    int row_groups[SUBS][2];
-    if constexpr (LAYOUT == LAYOUT_CONTIGUOUS && SUBS == 2) {
-#pragma unroll
-      for (int u = 0; u < SUBS; ++u)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) row_groups[u][h] = row_group(t, c * WG_ROWS + u * 64 + warp * 16 + lane / 4 + 8 * h, info);
-    }
-    const int n0 = t.n0;
-    // Column group i (8 columns) of this tile lies in B's scale block n0 / 128 + (8 i >= first_next) +
-    // (8 i >= first_next + 128) (first_next: 16..128). Blocks past N are clamped (their columns are not stored).
-    const int first_next = 128 - n0 % 128;
-    const int nb0 = min(n0 / 128, n_blocks - 1);
-    const float* sbk = sb + (WGRAD ? 0 : max(t.g, 0) * sb_group) + nb0 * sb_row + t.kb0 * sb_col;  // at block kb
-    const int sb_next1 = int((min(n0 / 128 + 1, n_blocks - 1) - nb0) * sb_row);  // sB is small: int offsets
-    const int sb_next2 = int((min(n0 / 128 + 2, n_blocks - 1) - nb0) * sb_row);
-#pragma unroll
-    for (int u = 0; u < SUBS; ++u)
-#pragma unroll
-      for (int i = 0; i < ACC; ++i) acc[u][i] = 0.f;
-
-    if constexpr (SCRATCH2) {
-      TwoScratch ts;
-      ts.da0 = da0;
-      ts.db0 = db0;
-      ts.full = full;
-      ts.empty = empty;
-      ts.smem = smem;
-      ts.sbk = sbk;
-      ts.sb_next1 = sb_next1;
-      ts.sb_next2 = sb_next2;
-      ts.sb_col = sb_col;
-      ts.first_next = first_next;
-      ts.c = c;
-      ts.warp = warp;
-      ts.lane = lane;
-      ts.rank = rank;
-      ts.s = s;
-      ts.phase = phase;
-      ts.run(acc[0], t.kb1 - t.kb0);
-      s = ts.s;
-      phase = ts.phase;
-    } else
-    for (int kb = t.kb0; kb < t.kb1; ++kb) {
-      // B's scales for this k block (L1/L2 hits), loaded before the wait so that their latency overlaps it.
-      const float scale_b0 = WGRAD ? 0.f : __ldg(sbk);
-      const float scale_b1 = !WGRAD && SB_BLOCKS > 1 ? __ldg(sbk + sb_next1) : 0.f;
-      const float scale_b2 = !WGRAD && SB_BLOCKS > 2 ? __ldg(sbk + sb_next2) : 0.f;
-      sbk += sb_col;
-      u64 da = da0 + u64(s * (A_STAGE >> 4)), db = db0 + u64(s * (B_STAGE >> 4));
+  // ---- one scratch set: each k block issued, waited for and promoted in turn ----
+  // SUBS m64 row blocks (BM = 256) or two column halves (A_IN_REGS) pass through the scratch set one at a time.
+  __device__ __forceinline__ void run_one_set(float (&acc)[SUBS][ACC], int kb0, int kb1) {
+    float* scratch = part[0];
+    for (int kb = kb0; kb < kb1; ++kb) {
+      // B's scales for this k block, loaded before the wait so that their latency overlaps it.
+      float scale_b0 = 0.f, scale_b1 = 0.f, scale_b2 = 0.f;
+      if (!WGRAD) sb.next(scale_b0, scale_b1, scale_b2);
+      u64 da = da0 + u64(st.stage * (A_STAGE >> 4)), db = db0 + u64(st.stage * (B_STAGE >> 4));
       compute_here(da);
       compute_here(db);
       const float* sa_stage;
       if constexpr (SUBS == 2) {  // sA's address too (H100: 4-9% on 256 x 128 tiles; 128 x 192 tiles would spill)
-        u64 sa_addr = reinterpret_cast<u64>(smem + SMEM_SA + s * SA_STAGE) + (c * WG_ROWS + warp * 16) * 4;
+        u64 sa_addr = reinterpret_cast<u64>(sa_smem + st.stage * SA_STAGE) + (c * WG_ROWS + warp * 16) * 4;
         compute_here(sa_addr);
-        mbar_wait(&full[s], phase);
+        ring.wait(st);
         sa_stage = reinterpret_cast<const float*>(sa_addr);
       } else {
-        mbar_wait(&full[s], phase);
-        sa_stage = reinterpret_cast<const float*>(smem + SMEM_SA + s * SA_STAGE) + c * WG_ROWS + warp * 16;
+        ring.wait(st);
+        sa_stage = reinterpret_cast<const float*>(sa_smem + st.stage * SA_STAGE) + c * WG_ROWS + warp * 16;
       }
-      const float* sb_stage = reinterpret_cast<const float*>(smem + SMEM_SB + s * SB_STAGE) + (lane % 4) * 2;
+      const float* sb_stage = reinterpret_cast<const float*>(smem + SMEM_SB + st.stage * SB_STAGE) + (lane % 4) * 2;
       float scale_a[SUBS][2];
       u32 a_frag[BK / 32][4];  // A_IN_REGS: this warp's 16 rows of A, one x4 matrix set per k32 step
       if constexpr (A_IN_REGS) {
         // Rows 16 warp + {0..7, 8..15} x 16-byte granules {2k, 2k + 1} of the 128-byte swizzled rows (granule
         // g of row r sits at g ^ (r % 8)); lane i addresses row i % 8 of matrix i / 8.
         const int row = c * 64 + warp * 16 + (lane / 8 % 2) * 8 + lane % 8;
-        const u8* a_row = smem + s * A_STAGE + row * 128;
+        const u8* a_row = smem + st.stage * A_STAGE + row * 128;
 #pragma unroll
         for (int k = 0; k < BK / 32; ++k) ldmatrix_x4(a_frag[k], a_row + (((2 * k + lane / 16) ^ (lane % 8)) << 4));
       }
 #pragma unroll
       for (int u = 0; u < SUBS * HALVES; ++u) {
-        // One m64 row block (BM = 256: two per k block) or column half (A_IN_REGS) at a time through the one
-        // scratch accumulator.
         const int sub = A_IN_REGS ? 0 : u, half = A_IN_REGS ? u : 0;
         wgmma_fence();
-        qgmma_k_block<A_IN_REGS>(part, a_frag, da + u64(sub * (64 * 128 >> 4)), db + u64(half * (PART_N * 128 >> 4)));
+        qgmma_k_block<A_IN_REGS>(part[0], a_frag, da + u64(sub * (64 * 128 >> 4)),
+                                 db + u64(half * (PART_N * 128 >> 4)));
         wgmma_commit();
         if (u == 0) {
 #pragma unroll
@@ -501,11 +346,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
           }
         }
         wgmma_wait<0>();
-        fence_registers(part);
+        fence_registers(part[0]);
         if constexpr (A_IN_REGS) fence_registers(a_frag);
         const bool last = u == SUBS * HALVES - 1;
         if (!WGRAD && last) {
-          if (lane == 0) release_stage<MCAST>(&empty[s], rank);  // sA was read above: the stage is done
+          if (lane == 0) ring.release(st.stage, rank);  // sA was read above: the stage is done
         }
         float* a = acc[sub] + half * (PART_N / 2);
         if constexpr (WGRAD) {
@@ -513,89 +358,153 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
           for (int i = 0; i < PART_N / 8; ++i) {  // per-column scales of B: columns col + 2 (lane % 4) + {0, 1}
             const int col = 8 * (i + half * (PART_N / 8));  // first column of this column group in the tile
             const float2 scale_b = *reinterpret_cast<const float2*>(sb_stage + col);
-            a[4 * i] += part[4 * i] * (scale_a[sub][0] * scale_b.x);
-            a[4 * i + 1] += part[4 * i + 1] * (scale_a[sub][0] * scale_b.y);
-            a[4 * i + 2] += part[4 * i + 2] * (scale_a[sub][1] * scale_b.x);
-            a[4 * i + 3] += part[4 * i + 3] * (scale_a[sub][1] * scale_b.y);
+            a[4 * i] += scratch[4 * i] * (scale_a[sub][0] * scale_b.x);
+            a[4 * i + 1] += scratch[4 * i + 1] * (scale_a[sub][0] * scale_b.y);
+            a[4 * i + 2] += scratch[4 * i + 2] * (scale_a[sub][1] * scale_b.x);
+            a[4 * i + 3] += scratch[4 * i + 3] * (scale_a[sub][1] * scale_b.y);
           }
         } else {
           // sA x sB of this thread's rows r and r + 8 for each scale block of B the tile meets.
           const float sc[3][2] = {{scale_a[sub][0] * scale_b0, scale_a[sub][1] * scale_b0},
                                   {scale_a[sub][0] * scale_b1, scale_a[sub][1] * scale_b1},
                                   {scale_a[sub][0] * scale_b2, scale_a[sub][1] * scale_b2}};
-          promote<PART_N>(first_next, a, part, sc, half * (PART_N / 8));
+          promote<PART_N>(sb.first_next, a, scratch, sc, half * (PART_N / 8));
         }
         if (WGRAD && last) {
           __syncwarp();
-          if (lane == 0) release_stage<MCAST>(&empty[s], rank);
+          if (lane == 0) ring.release(st.stage, rank);
         }
       }
-      if (++s == STAGES) { s = 0; phase ^= 1; }
+      st.advance();
+    }
+  }
+};
+
+// The tile's result to D, one 64-row slice at a time: through shared memory and TMA (the whole slice, or a ring of
+// two chunk buffers), or, where some of the slice's rows must not be written (past a group's end, another group's,
+// padding), by its threads directly. row_groups: LAYOUT_CONTIGUOUS 256-row tiles, this thread's rows' groups.
+__device__ __forceinline__ void store_tile(float (&acc)[SUBS][ACC], const GemmTile& t, const Scheduler& sched,
+                                           int (&row_groups)[SUBS][2], const CUtensorMap_st* tm_d, u8* d_smem,
+                                           u32& chunk_seq, void* d, i64 ld_d, int N, int c, int tid) {
+  const int warp = tid / 32, lane = tid % 32;
+  if (WHOLE_OUT && tid == 0) bulk_wait_read<0>();  // the previous tile's stores are done reading the buffers
+#pragma unroll
+  for (int u = 0; u < SUBS; ++u) {
+    const float* a = acc[u];
+    const int r0 = c * WG_ROWS + u * 64;  // this 64-row slice's first row within the tile
+    if (t.m0 + r0 >= t.rows || t.n0 >= N) continue;  // a slice past the edge (or a cluster's spare tile)
+    if constexpr (LAYOUT != LAYOUT_NORMAL) {
+      const int r = r0 + warp * 16 + lane / 4;  // this thread's rows r and r + 8
+      if constexpr (LAYOUT == LAYOUT_CONTIGUOUS && SUBS == 1) {
+        row_groups[u][0] = sched.row_group(t, r);
+        row_groups[u][1] = sched.row_group(t, r + 8);
+      }
+      const bool ok0 = sched.row_writable(t, r, row_groups[u][0]), ok1 = sched.row_writable(t, r + 8, row_groups[u][1]);
+      if (!named_barrier_all(1 + c, 128, ok0 && ok1)) {
+        store_fragment_rows<WGRAD, ACC>(a, d, ld_d, t.d_row + r, ok0, ok1, t.n0, N, lane);
+        continue;
+      }
+    }
+    const auto write = [&](int j, u8* buf) { chunk_to_smem<WGRAD ? KIND_FP32 : KIND_BF16, CH>(a, j, buf, warp, lane); };
+    if constexpr (WHOLE_OUT) {
+      // Other layouts met on the row check's barrier above.
+      tma_store_all<CHUNKS, CH, LAYOUT != LAYOUT_NORMAL>(tm_d, d_smem + u * CHUNKS * CHUNK_BYTES, CHUNK_BYTES, t.n0,
+                                                         t.d_row + r0, tid, 1 + c, write);
+    } else {
+      tma_store_chunks<CHUNKS, CH, WGRAD>(tm_d, d_smem, CHUNK_BYTES, chunk_seq, t.n0, t.d_row + r0, tid, 1 + c, write);
+    }
+  }
+}
+
+// tm_a / tm_b: boxes {128, rows a CTA loads of the tile} (halves when shared), 128-byte swizzle; tm_a_edge /
+// tm_b_edge: the same tensors with boxes of a group's rows of A (N) modulo those rows (tma_load_rows); tm_sa: the
+// M-major scales of A as a [K/128][M] fp32 tensor, box {BM, 1}; tm_sb (LAYOUT_KGROUPED): B's as [K/128][N], box
+// {BN, 1}; tm_d: D in bf16 (fp32 for LAYOUT_KGROUPED), box {CH, 64}, swizzle CH * OUT_BYTES. d / ld_d: D for the
+// direct writes. M, N, K: one group's GEMM (LAYOUT_CONTIGUOUS: M counts all rows; LAYOUT_KGROUPED: K counts all
+// groups').
+extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
+    const __grid_constant__ CUtensorMap_st tm_a, const __grid_constant__ CUtensorMap_st tm_b,
+    const __grid_constant__ CUtensorMap_st tm_a_edge, const __grid_constant__ CUtensorMap_st tm_b_edge,
+    const __grid_constant__ CUtensorMap_st tm_sa, const __grid_constant__ CUtensorMap_st tm_sb,
+    const __grid_constant__ CUtensorMap_st tm_d, const float* sb, i64 sb_group, i64 sb_row, i64 sb_col,
+    const int* info, void* d, i64 ld_d, int M, int N, int K, int groups, int group_m) {
+  u8* smem = smem_aligned_1024();
+  const Ring ring(smem + SMEM_BARS);
+  const u32 rank = CLUSTER > 1 ? cluster_rank() : 0;
+  const Scheduler sched(M, N, K, 1, groups, group_m, info, rank, CLUSTER);
+  const int wg = warpgroup_index();
+  const int tid = threadIdx.x % 128;
+  kernel_prologue<(CLUSTER > 1)>(ring, (MCAST ? 2 : 1) * CONSUMERS * 4, &tm_a, &tm_b, &tm_a_edge, &tm_b_edge, &tm_sa,
+                                 WGRAD ? &tm_sb : nullptr, &tm_d);
+
+  if (wg == 0) {  // ---- producer: one thread issues the loads (A, B, this k block's scales) ----
+    regs_decrease<PRODUCER_REGS>();
+    const int a_rows = LAYOUT == LAYOUT_MASKED ? groups * M : M;  // rows of A's and B's (flattened) maps
+    const int b_rows = LAYOUT == LAYOUT_MASKED || LAYOUT == LAYOUT_CONTIGUOUS ? groups * N : N;
+    if (tid == 0) {
+      Pipe st;
+      for (int unit = sched.first; sched.more(unit); unit = sched.next(unit)) {
+        const GemmTile t = sched.tile(unit);
+        if (t.skip) continue;
+        for (int kb = t.kb0; kb < t.kb1; ++kb) {
+          const int ab_rows = rows_in_bounds(t.a_row, BM, a_rows) + rows_in_bounds(t.b_row, BN, b_rows);
+          u64* bar = ring.acquire(st, ab_rows * 128 + SA_STAGE + SB_BYTES);
+          tma_load_rows<MCAST == 2>(smem + st.stage * A_STAGE, &tm_a, &tm_a_edge, bar, kb * BK, t.a_row, BM, a_rows,
+                                    rank);
+          tma_load_rows<MCAST == 1, STREAM_B>(smem + SMEM_B + st.stage * B_STAGE, &tm_b, &tm_b_edge, bar, kb * BK,
+                                              t.b_row, BN, b_rows, rank);
+          tma_load_2d(smem + SMEM_SA + st.stage * SA_STAGE, &tm_sa, bar, t.a_row, kb);
+          if (WGRAD) tma_load_2d(smem + SMEM_SB + st.stage * SB_STAGE, &tm_sb, bar, t.n0, kb);
+          st.advance();
+        }
+      }
+      ring.producer_finish(st);
+    }
+    if (KSPLIT > 1) split_sync_only();  // the whole warpgroup, together
+    return;
+  }
+
+  // ---- consumers: consumer c owns rows [c * WG_ROWS, (c + 1) * WG_ROWS) of every tile ----
+  regs_increase<CONSUMER_REGS>();
+  const int c = wg - 1;
+  u8* d_smem = smem + SMEM_D + c * OUT_BUFS * CHUNK_BYTES;
+  float acc[SUBS][ACC];
+  Mainloop ml(ring, smem, c, tid, rank);
+  u32 chunk_seq = 0;
+  for (int unit = sched.first; sched.more(unit); unit = sched.next(unit)) {
+    const GemmTile t = sched.tile(unit);
+    if (t.skip) continue;
+    // Contiguous 256-row tiles: this thread's rows' groups, loaded now and compared in the epilogue (128-row
+    // tiles load them there: held through the main loop, they made NVRTC 13.5's ptxas spill on 128 x 192).
+    int row_groups[SUBS][2];
+    if constexpr (LAYOUT == LAYOUT_CONTIGUOUS && SUBS == 2) {
+#pragma unroll
+      for (int u = 0; u < SUBS; ++u)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) row_groups[u][h] = sched.row_group(t, c * WG_ROWS + u * 64 + ml.warp * 16 + ml.lane / 4 + 8 * h);
+    }
+    ml.sb = ScalesB(t, sb, sb_group, sb_row, sb_col, N);
+#pragma unroll
+    for (int u = 0; u < SUBS; ++u)
+#pragma unroll
+      for (int i = 0; i < ACC; ++i) acc[u][i] = 0.f;
+    if constexpr (SCRATCH2) {
+      ml.run_two_sets(acc[0], t.kb1 - t.kb0);
+    } else {
+      ml.run_one_set(acc, t.kb0, t.kb1);
     }
 
 #if KSPLIT > 1
     if constexpr (CONSUMERS > 1) named_barrier(3, 256);  // both consumers are done with the stages
+    const int row0 = t.m0 + c * 64;
     cluster_split_sum<KSPLIT, BN>(acc[0], reinterpret_cast<float*>(smem) + c * 64 * SPLIT_ROW(BN), rank, tid,
-                                  t.m0 + c * 64 < M && n0 < N, [&](int r, int col, f32x4 v) {
-                                    const int row = t.m0 + c * 64 + r;
-                                    if (row < M && n0 + col < N)  // N % 8 == 0: 4 columns wholly in or out
-                                      *reinterpret_cast<u32x2*>(reinterpret_cast<u16*>(d) + i64(row) * ld_d + n0 +
-                                                                col) =
-                                          u32x2{f32x2_to_bf16x2(v.x, v.y), f32x2_to_bf16x2(v.z, v.w)};
+                                  row0 < M && t.n0 < N, [&](int r, int col, f32x4 v) {
+                                    if (row0 + r < M && t.n0 + col < N)  // N % 8 == 0: 4 columns wholly in or out
+                                      store4<KIND_BF16>(d, i64(row0 + r) * ld_d + t.n0 + col, v);
                                   });
 #else
-    if (WHOLE_OUT && tid == 0) bulk_wait_read<0>();  // the previous tile's stores are done reading the buffers
-#pragma unroll
-    for (int u = 0; u < SUBS; ++u) {
-      const float* a = acc[u];
-      const int r0 = c * WG_ROWS + u * 64;  // this 64-row slice's first row within the tile
-      if (t.m0 + r0 >= t.rows || n0 >= N) continue;  // a slice past the edge (or a cluster's spare tile)
-      if constexpr (LAYOUT != LAYOUT_NORMAL) {
-        const int r = r0 + warp * 16 + lane / 4;  // this thread's rows r and r + 8
-        if constexpr (LAYOUT == LAYOUT_CONTIGUOUS && SUBS == 1) {
-          row_groups[u][0] = row_group(t, r, info);
-          row_groups[u][1] = row_group(t, r + 8, info);
-        }
-        const bool ok0 = row_writable(t, r, row_groups[u][0]), ok1 = row_writable(t, r + 8, row_groups[u][1]);
-        if (!named_barrier_all(1 + c, 128, ok0 && ok1)) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            if (!(h ? ok1 : ok0)) continue;
-            const i64 row = t.d_row + r + 8 * h;
-#pragma unroll
-            for (int i = 0; i < ACC / 4; ++i) {
-              const int col = n0 + 8 * i + (lane % 4) * 2;
-              if (col >= N) continue;
-              const float x = a[4 * i + 2 * h], y = a[4 * i + 2 * h + 1];
-              if constexpr (WGRAD) {
-                float* p = reinterpret_cast<float*>(d) + row * ld_d + col;
-                atomicAdd(p, x);
-                atomicAdd(p + 1, y);
-              } else {
-                *reinterpret_cast<u32*>(reinterpret_cast<u16*>(d) + row * ld_d + col) = f32x2_to_bf16x2(x, y);
-              }
-            }
-          }
-          continue;
-        }
-      }
-      const auto write = [&](int j, u8* buf) {
-        if constexpr (WGRAD) {
-          f32_chunk<CH>(a, j, buf, warp, lane);
-        } else {
-          stmatrix_chunk<CH>(a, j, buf, warp, lane, [](float x, float y) { return f32x2_to_bf16x2(x, y); });
-        }
-      };
-      if constexpr (WHOLE_OUT) {
-        // Other layouts met on the row check's barrier above.
-        tma_store_all<CHUNKS, CH, LAYOUT != LAYOUT_NORMAL>(&tm_d, d_smem + u * CHUNKS * CHUNK_BYTES, CHUNK_BYTES, n0,
-                                                           t.d_row + r0, tid, 1 + c, write);
-      } else {
-        tma_store_chunks<CHUNKS, CH, WGRAD>(&tm_d, d_smem, CHUNK_BYTES, chunk_seq, n0, t.d_row + r0, tid, 1 + c,
-                                            write);
-      }
-    }
+    store_tile(acc, t, sched, row_groups, &tm_d, d_smem, chunk_seq, d, ld_d, N, c, tid);
 #endif
   }
-  if (tid == 0) bulk_wait<0>();
+  epilogue_drain(tid);
 }

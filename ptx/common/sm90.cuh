@@ -10,6 +10,13 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
   return u32(a);
 }
 
+// The dynamic shared memory from its first 1024-byte boundary (128-byte swizzled TMA tiles and their wgmma
+// descriptors need that alignment; the launch's size leaves room for the slack).
+__device__ __forceinline__ u8* smem_aligned_1024() {
+  extern __shared__ u8 smem_raw[];
+  return smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+}
+
 // ---- mbarrier ----------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void mbar_init(u64* bar, u32 arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_u32(bar)), "r"(arrivals) : "memory");

@@ -18,6 +18,7 @@ struct alignas(64) CUtensorMap_st { u64 opaque[16]; };
 #define KIND_BF16 0
 #define KIND_FP16 1
 #define KIND_FP32 2
+#define KIND_NONE -1  // an optional operand that is absent
 
 // Widen a packed pair of 16-bit floats to fp32 (exact).
 __device__ __forceinline__ void bf16x2_to_f32(u32 v, float& lo, float& hi) {

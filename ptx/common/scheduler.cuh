@@ -1,0 +1,137 @@
+// Persistent tile schedulers. A scheduler is the walk of a persistent grid over work units (PersistentUnits) plus
+// `tile(unit)`, which decodes a unit index into what the kernel's roles need: for a GEMM the tile's origin, its
+// operands' rows, its k range and whether it has work at all. The producer and the consumers of a CTA walk the
+// same units and decode them alike, so they agree on every unit without talking. Another kernel family brings its
+// own decode (attention: (batch, head, block), longest blocks first) on the same walk.
+#pragma once
+#include "common/sm90.cuh"
+
+// Cluster i of the grid runs units i, i + clusters, i + 2 clusters, ... below `count`; a unit is one cluster's
+// work (both CTAs of a pair, or all CTAs of a split cluster, run it together).
+struct PersistentUnits {
+  int first, step, count;
+
+  __device__ __forceinline__ PersistentUnits(int units, int cluster)
+      : first(blockIdx.x / cluster), step(gridDim.x / cluster), count(units) {}
+  __device__ __forceinline__ bool more(int unit) const { return unit < count; }
+  __device__ __forceinline__ int next(int unit) const { return unit + step; }
+  // Every unit is resident at once (one wave): a unit may then wait for any other.
+  __device__ __forceinline__ bool one_wave() const { return count <= step; }
+};
+
+// Layouts of a GEMM's operands (a kernel's LAYOUT define; `info` is a device int array).
+#define LAYOUT_NORMAL 0      // one GEMM
+#define LAYOUT_CONTIGUOUS 1  // MoE prefill: A's rows are the groups' rows back to back, info[m] the group of row m
+#define LAYOUT_MASKED 2      // MoE decode: G GEMMs of M rows, only the first info[g] rows of group g count
+#define LAYOUT_KGROUPED 3    // weight gradient: group g sums k in [info[g], info[g + 1]) into its own D[g]
+
+// One GEMM tile of work: where its operands and output live and which k blocks it sums.
+struct GemmTile {
+  int tm, tn;        // tile row and column in the tile grid (of its group)
+  int m0, n0;        // tile origin in D's rows (of its group) and columns
+  int g;             // group
+  int a_row, b_row;  // first row of the A and B tiles in their (flattened) maps
+  int d_row;         // first row of the tile in D's (flattened) map
+  int kb0, kb1;      // k blocks [kb0, kb1)
+  int split;         // split-K slice (units of `splits` slices)
+  int rows;          // rows of the group that may be written: the tile's rows from m0 below `rows`
+  bool skip;         // nothing to compute (padding, masked out, empty k range)
+};
+
+// GEMM tiles of TILE_M x TILE_N (k blocks of TILE_K) in grouped order: cluster tiles (two tiles along M or N when PAIRING is
+// 1 or 2, else one) run group_m rows at a time, M fastest within a group, so that the CTAs of a wave share A and B
+// panels in L2. Units are:
+// - (cluster tile, split) pairs, split fastest, with `splits` slices of K (split-K through global memory: a unit
+//   then only ever waits on a unit with a smaller index, which a resident CTA has already started);
+// - per group (ORDER LAYOUT_MASKED, LAYOUT_KGROUPED: M counts one group's rows), group slowest;
+// - with CLUSTER_SPLITS > 1, one cluster tile whose CLUSTER_SPLITS CTAs (cluster rank = slice) each take a slice of K.
+// A CTA of a pair may get a tile past the edge (odd tile count): it still loads its half for its partner.
+template <int TILE_M, int TILE_N, int TILE_K, int PAIRING, int ORDER = LAYOUT_NORMAL, int CLUSTER_SPLITS = 1>
+struct GemmScheduler : PersistentUnits {
+  static constexpr bool PER_GROUP = ORDER == LAYOUT_MASKED || ORDER == LAYOUT_KGROUPED;
+  int tiles_m, cl_tiles_m, cl_tiles_n, per_group, group_m, splits, k_blocks, M, N, groups;
+  u32 rank;
+  const int* info;
+
+  __device__ __forceinline__ static int cl_tiles(int tiles, bool paired) { return paired ? (tiles + 1) / 2 : tiles; }
+
+  // M, N, K: one group's GEMM (LAYOUT_CONTIGUOUS: M counts all rows; LAYOUT_KGROUPED: K counts all groups').
+  __device__ __forceinline__ GemmScheduler(int M_, int N_, int K, int splits_, int groups_, int group_m_,
+                                           const int* info_, u32 rank_, int cluster)
+      : PersistentUnits(cl_tiles((M_ + TILE_M - 1) / TILE_M, PAIRING == 1) * cl_tiles((N_ + TILE_N - 1) / TILE_N, PAIRING == 2) *
+                            (PER_GROUP ? groups_ : splits_),
+                        cluster),
+        tiles_m((M_ + TILE_M - 1) / TILE_M),
+        cl_tiles_m(cl_tiles((M_ + TILE_M - 1) / TILE_M, PAIRING == 1)),
+        cl_tiles_n(cl_tiles((N_ + TILE_N - 1) / TILE_N, PAIRING == 2)),
+        per_group(cl_tiles_m * cl_tiles_n),
+        group_m(group_m_),
+        splits(splits_),
+        k_blocks((K + TILE_K - 1) / TILE_K),
+        M(M_),
+        N(N_),
+        groups(groups_),
+        rank(rank_),
+        info(info_) {}
+
+  __device__ __forceinline__ GemmTile tile(int unit) const {
+    GemmTile t;
+    t.g = PER_GROUP ? unit / per_group : 0;
+    if (PER_GROUP) unit %= per_group;
+    t.split = unit % splits;
+    const int ct = unit / splits;  // cluster tile, in grouped order
+    const int gsize = group_m * cl_tiles_n;
+    const int first = ct / gsize * group_m;
+    const int rows = min(group_m, cl_tiles_m - first);
+    const int r = ct % gsize;
+    t.tm = first + r % rows;
+    t.tn = r / rows;
+    if (PAIRING == 1) t.tm = 2 * t.tm + rank;
+    if (PAIRING == 2) t.tn = 2 * t.tn + rank;
+    t.m0 = t.tm * TILE_M;
+    t.n0 = t.tn * TILE_N;
+    t.a_row = t.d_row = t.m0;
+    t.b_row = t.n0;
+    t.kb0 = t.split * k_blocks / splits;
+    t.kb1 = (t.split + 1) * k_blocks / splits;
+    t.rows = M;
+    t.skip = false;
+    if constexpr (ORDER == LAYOUT_CONTIGUOUS) {  // each group's rows start at a multiple of TILE_M
+      t.g = __ldg(info + min(t.m0, M - 1));
+      t.skip = t.g < 0 || t.g >= groups;  // padding (or an id past the groups: treated alike)
+      t.b_row = max(t.g, 0) * N + t.n0;
+    } else if constexpr (ORDER == LAYOUT_MASKED) {
+      t.rows = min(__ldg(info + t.g), M);
+      // Both CTAs of a pair along M load for each other: skip only when the pair's first tile is masked out.
+      t.skip = (PAIRING == 1 ? t.tm & ~1 : t.tm) * TILE_M >= t.rows;
+      t.a_row = t.d_row = t.g * M + t.m0;
+      t.b_row = t.g * N + t.n0;
+    } else if constexpr (ORDER == LAYOUT_KGROUPED) {
+      t.kb0 = __ldg(info + t.g) / TILE_K;
+      t.kb1 = __ldg(info + t.g + 1) / TILE_K;
+      t.skip = t.kb1 <= t.kb0;
+      t.d_row = t.g * M + t.m0;
+    }
+    if constexpr (CLUSTER_SPLITS > 1) {  // this CTA's slice of K
+      const int blocks = t.kb1;
+      t.kb0 = int(rank) * blocks / CLUSTER_SPLITS;
+      t.kb1 = (int(rank) + 1) * blocks / CLUSTER_SPLITS;
+    }
+    return t;
+  }
+
+  // LAYOUT_CONTIGUOUS: the group of row r (from the tile's origin), -1 past the rows.
+  __device__ __forceinline__ int row_group(const GemmTile& t, int r) const {
+    const int row = t.m0 + r;
+    return row < t.rows ? __ldg(info + row) : -1;
+  }
+
+  // Row r of the tile may be written (`group`: row_group's value for the contiguous layout, unused otherwise).
+  __device__ __forceinline__ bool row_writable(const GemmTile& t, int r, int group) const {
+    if constexpr (ORDER == LAYOUT_CONTIGUOUS) return group == t.g;  // a tile that is not skipped has t.g >= 0
+    return t.m0 + r < t.rows;
+  }
+
+  // Index of a tile in the whole grid, M fastest (for per-tile state in global memory, e.g. split-K counters).
+  __device__ __forceinline__ int tile_index(const GemmTile& t) const { return t.tn * tiles_m + t.tm; }
+};
