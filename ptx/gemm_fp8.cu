@@ -219,7 +219,6 @@ struct Mainloop {
   u64 da0, db0;  // descriptors of stage 0 (this consumer's rows of A, and B): a stage's are these plus its offset,
                  // which keeps the address arithmetic between a stage's full barrier and its first wgmma short
   const u8* smem;
-  const u8* sa_smem;  // sA stage 0 (opaque to the compiler, so that a stage's address is one add from it)
   ScalesB sb;  // the current tile's
   int c, warp, lane;
   u32 rank;
@@ -230,13 +229,10 @@ struct Mainloop {
         da0(wgmma_desc_sw128(smem_ + c_ * WG_ROWS * 128)),
         db0(wgmma_desc_sw128(smem_ + SMEM_B)),
         smem(smem_),
-        sa_smem(smem_ + SMEM_SA),
         c(c_),
         warp(tid / 32),
         lane(tid % 32),
-        rank(rank_) {
-    asm("" : "+l"(sa_smem));
-  }
+        rank(rank_) {}
 
   // ---- two scratch sets (SCRATCH2) ----
   // k block kb + 1 is issued into one set before kb, in the other, is promoted, so a consumer keeps the tensor pipe
@@ -260,7 +256,7 @@ struct Mainloop {
     fence_registers(part[J]);
     float scale_b0, scale_b1, scale_b2;
     sb.next(scale_b0, scale_b1, scale_b2);
-    const float* sa = reinterpret_cast<const float*>(sa_smem + st.stage * SA_STAGE) + c * 64 + warp * 16;
+    const float* sa = reinterpret_cast<const float*>(smem + SMEM_SA + st.stage * SA_STAGE) + c * 64 + warp * 16;
     const float sa0 = sa[lane / 4], sa1 = sa[lane / 4 + 8];
     const float sc[3][2] = {{sa0 * scale_b0, sa1 * scale_b0}, {sa0 * scale_b1, sa1 * scale_b1},
                             {sa0 * scale_b2, sa1 * scale_b2}};
@@ -312,13 +308,13 @@ struct Mainloop {
       compute_here(db);
       const float* sa_stage;
       if constexpr (SUBS == 2) {  // sA's address too (H100: 4-9% on 256 x 128 tiles; 128 x 192 tiles would spill)
-        u64 sa_addr = reinterpret_cast<u64>(sa_smem + st.stage * SA_STAGE) + (c * WG_ROWS + warp * 16) * 4;
+        u64 sa_addr = reinterpret_cast<u64>(smem + SMEM_SA + st.stage * SA_STAGE) + (c * WG_ROWS + warp * 16) * 4;
         compute_here(sa_addr);
         ring.wait(st);
         sa_stage = reinterpret_cast<const float*>(sa_addr);
       } else {
         ring.wait(st);
-        sa_stage = reinterpret_cast<const float*>(sa_smem + st.stage * SA_STAGE) + c * WG_ROWS + warp * 16;
+        sa_stage = reinterpret_cast<const float*>(smem + SMEM_SA + st.stage * SA_STAGE) + c * WG_ROWS + warp * 16;
       }
       const float* sb_stage = reinterpret_cast<const float*>(smem + SMEM_SB + st.stage * SB_STAGE) + (lane % 4) * 2;
       float scale_a[SUBS][2];
