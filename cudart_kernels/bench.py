@@ -300,12 +300,56 @@ def bench_gemm(quick: bool = False, device: int = 0) -> list[Row]:
                                             lambda i, s: gemm(a[i], b[i], out=d[i], c=d[i], stream=s)], sets, iters=10)
         rows.append(Row("gemm_accumulate", f"{m}x{n}x{k}, D(fp32) += A @ B^T", ours, tflops=2 * m * n * k / 1e12,
                         peer=label, peer_us=peer))
-    x = torch.randn(128, 1024, device="cuda", dtype=torch.bfloat16)
-    y = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
-    z = torch.empty(128, 256, device="cuda", dtype=torch.bfloat16)
-    rows.append(Row("host", "gemm call 128x256x1024, torch in/out", host_overhead_us(lambda: gemm(x, y, out=z))))
-    rows.append(Row("host", "torch.matmul call, same shape (reference)",
-                    host_overhead_us(lambda: torch.matmul(x, y.t(), out=z))))
+    return rows
+
+
+def bench_host(quick: bool = False, device: int = 0) -> list[Row]:
+    """Host cost of one call with a cached plan (Python call to launch return), 16x64x64 bf16 and fp8, for each way
+    of passing arrays and streams, beside torch.matmul(out=) and torch._scaled_mm in the same run."""
+    from .ops.gemm import gemm
+    from .ops.gemm_fp8 import gemm_fp8
+    from .ops.quantize import quantize_fp8_per_block, quantize_fp8_per_token
+    from .runtime.interop import as_array
+
+    torch = torch_or_none()
+    if torch is None:
+        raise RuntimeError("bench --op host needs torch")
+    m, n, k = 16, 64, 64
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    z = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.current_stream()
+    handle = stream.cuda_stream
+    dx, dy, dz = as_array(x), as_array(y), as_array(z)
+    qa, sa = quantize_fp8_per_token(torch.randn(m, 128, device="cuda", dtype=torch.bfloat16))
+    qb, sb = quantize_fp8_per_block(torch.randn(n, 128, device="cuda", dtype=torch.bfloat16))
+    ta, tsa, tb, tsb = (torch.from_dlpack(v) for v in (qa, sa, qb, sb))
+    tz = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    dz8 = as_array(tz)
+    sa_t, sb_t = tsa.t().contiguous().t(), tsb.t()  # torch._scaled_mm's blockwise scale layouts
+    cases = [
+        ("torch.matmul(out=), torch", lambda: torch.matmul(x, y.t(), out=z)),
+        ("gemm, torch, stream=None", lambda: gemm(x, y, out=z)),
+        ("gemm, torch, torch stream object", lambda: gemm(x, y, out=z, stream=stream)),
+        ("gemm, torch, int stream handle", lambda: gemm(x, y, out=z, stream=handle)),
+        ("gemm, DeviceArray, int stream handle", lambda: gemm(dx, dy, out=dz, stream=handle)),
+        ("gemm_fp8, torch, stream=None", lambda: gemm_fp8(ta, tsa, tb, tsb, tz)),
+        ("gemm_fp8, torch, torch stream object", lambda: gemm_fp8(ta, tsa, tb, tsb, tz, stream=stream)),
+        ("gemm_fp8, torch, int stream handle", lambda: gemm_fp8(ta, tsa, tb, tsb, tz, stream=handle)),
+        ("gemm_fp8, DeviceArray, int stream handle", lambda: gemm_fp8(qa, sa, qb, sb, dz8, stream=handle)),
+    ]
+    try:
+        torch._scaled_mm(ta, tb.t(), scale_a=sa_t, scale_b=sb_t, out_dtype=torch.bfloat16)
+        cases.append(("torch._scaled_mm (blockwise), torch",
+                      lambda: torch._scaled_mm(ta, tb.t(), scale_a=sa_t, scale_b=sb_t, out_dtype=torch.bfloat16)))
+    except Exception:  # a torch build without blockwise scaling
+        pass
+    rounds = 1 if quick else 3
+    rows = []
+    for name, call in cases:
+        times = [host_overhead_us(call) for _ in range(rounds)]
+        rows.append(Row("host", f"{name}, {m}x{n}x{k}", statistics.median(times),
+                        extra={"rounds_us": [round(t, 2) for t in times]}))
     return rows
 
 
@@ -465,4 +509,4 @@ def bench_gemm_fp8_grouped(quick: bool = False, device: int = 0) -> list[Row]:
 
 
 BENCHES = {"quant": bench_quant, "gemm": bench_gemm, "gemm_fp8": bench_gemm_fp8,
-           "gemm_fp8_grouped": bench_gemm_fp8_grouped}
+           "gemm_fp8_grouped": bench_gemm_fp8_grouped, "host": bench_host}

@@ -49,9 +49,10 @@ def test_encode_and_repoint_on_gpu():
     assert fresh.bytes() == m.bytes()  # re-pointing equals re-encoding
     layout = ("bf16", (4096, 512), (8192,), (64, 128), 128)
     cache = AddressedMapCache()
-    m1 = cache.get("a", layout, a.ptr)
-    assert cache.get("a", layout, a.ptr) is m1 and m1.base == a.ptr  # same role, layout, address: a hit
-    other = cache.get("b", layout, a.ptr)  # same layout and address, another role: its own map
-    assert other is not m1 and other.base == a.ptr
-    m2 = cache.get("a", layout, b.ptr)  # another address: another map
+    m1 = cache.get(layout, a.ptr)
+    assert cache.get(layout, a.ptr) is m1 and m1.base == a.ptr  # same layout object and address: a hit
+    equal = tuple(layout)  # an equal layout, another object (another plan's): its own entry, the same bytes
+    other = cache.get(("bf16",) + layout[1:], a.ptr)
+    assert other is not m1 and other.bytes() == m1.bytes() and equal == layout
+    m2 = cache.get(layout, b.ptr)  # another address: another map
     assert m2 is not m1 and m2.base == b.ptr and m2.bytes() == fresh.bytes()

@@ -520,8 +520,8 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
                     av.shape[0], dv.shape[1], av.shape[1])
         return dv if out is None else out
     maps = sm90.thread_maps()
-    map_a, map_a_edge = sm90.operand_maps(maps, "a", plan.map_a, plan.map_a_edge, av.ptr)
-    map_b, map_b_edge = sm90.operand_maps(maps, "b", plan.map_b, plan.map_b_edge, bv.ptr)
+    map_a, map_a_edge = sm90.operand_maps(maps, plan.map_a, plan.map_a_edge, av.ptr)
+    map_b, map_b_edge = sm90.operand_maps(maps, plan.map_b, plan.map_b_edge, bv.ptr)
     w_ptr = counters = 0
     release = None
     if plan.scratch:
@@ -529,7 +529,7 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
         counters = ptrs[-1]
         if plan.epi == "EPI_SPLIT":
             w_ptr = ptrs[0]
-    map_out = maps.get("out", plan.map_out, w_ptr if plan.epi == "EPI_SPLIT" else dv.ptr)
+    map_out = maps.get(plan.map_out, w_ptr if plan.epi == "EPI_SPLIT" else dv.ptr)
     try:
         plan.launch(plan.grid, h, map_a, map_b, map_a_edge, map_b_edge, map_out, dv.ptr, dv.strides[0], w_ptr,
                     plan.ld_w, c_ptr, ld_c, counters, av.shape[0], dv.shape[1], av.shape[1], plan.cfg.splits,

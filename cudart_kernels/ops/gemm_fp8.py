@@ -481,17 +481,17 @@ def _run(layout, av, sav, bv, sbv, dv, sb_strides, info_ptr, m, n, k, groups, ma
     try:
         slots = iter(ptrs)  # in plan.scratch's order
         maps = sm90.thread_maps()
-        map_sa = maps.get("sa", plan.map_sa, _scales_ptr(plan.sa, sav, slots, h))
+        map_sa = maps.get(plan.map_sa, _scales_ptr(plan.sa, sav, slots, h))
         if plan.sb is not None:
-            map_sb = maps.get("sb8", plan.map_sb, _scales_ptr(plan.sb, sbv, slots, h))
+            map_sb = maps.get(plan.map_sb, _scales_ptr(plan.sb, sbv, slots, h))
             info_ptr = next(slots)
             _fill_offsets(ks, info_ptr, av.device, h)
         else:
             map_sb = map_sa
-        map_a, map_a_edge = sm90.operand_maps(maps, "a8", plan.map_a, plan.map_a_edge, av.ptr)
-        map_b, map_b_edge = sm90.operand_maps(maps, "b8", plan.map_b, plan.map_b_edge, bv.ptr)
+        map_a, map_a_edge = sm90.operand_maps(maps, plan.map_a, plan.map_a_edge, av.ptr)
+        map_b, map_b_edge = sm90.operand_maps(maps, plan.map_b, plan.map_b_edge, bv.ptr)
         plan.launch(plan.grid, h, map_a, map_b, map_a_edge, map_b_edge, map_sa,
-                    map_sb, maps.get("d8", plan.map_d, dv.ptr), sbv.ptr, *sb_strides, info_ptr, dv.ptr,
+                    map_sb, maps.get(plan.map_d, dv.ptr), sbv.ptr, *sb_strides, info_ptr, dv.ptr,
                     dv.strides[0], *plan.args, plan.cfg.group_m)
     finally:
         if release is not None:

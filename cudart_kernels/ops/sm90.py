@@ -64,10 +64,10 @@ def edge_map(layout: MapLayout, rows: int) -> MapLayout:
     return layout if tail == 0 else layout._replace(box=(layout.box[0], tail))
 
 
-def operand_maps(maps: AddressedMapCache, role: str, layout: MapLayout, edge_layout: MapLayout, address: int):
+def operand_maps(maps: AddressedMapCache, layout: MapLayout, edge_layout: MapLayout, address: int):
     """An operand's main and edge tensor maps (one cache lookup where the rows need no edge box)."""
-    main = maps.get(role, layout, address)
-    return main, main if edge_layout is layout else maps.get(role, edge_layout, address)
+    main = maps.get(layout, address)
+    return main, main if edge_layout is layout else maps.get(edge_layout, address)
 
 
 def l2_promotion(readers: int, splits: int) -> int:

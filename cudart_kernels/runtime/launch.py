@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import operator
 import struct
 import threading
 
@@ -96,6 +97,7 @@ class _Slots(threading.local):
         self.address = ctypes.addressof(self.pointers)
         self.view = (ctypes.c_char * size).from_address(self.base)
         self.tmap_addresses = [self.base + o for o, k in zip(offsets, kinds) if k == "tmap"]
+        self.tmaps = [None] * len(self.tmap_addresses)  # the TensorMap whose bytes each slot holds
         cfg = cu.CUlaunchConfig()
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
         cfg.sharedMemBytes = smem
@@ -139,6 +141,8 @@ class Launcher:
         self._tables = tuple(i for i, k in enumerate(self.kinds) if k.startswith("i32["))
         if self._tables and self._tmaps:
             raise ValueError("a launch takes tensor maps or i32[N] tables, not both")
+        scalars = [i for i, k in enumerate(self.kinds) if k != "tmap"]
+        self._scalars = operator.itemgetter(*scalars) if len(scalars) > 1 else None
         self._slots = _Slots(self.kinds, block, smem, cluster, pdl)
         self._handle = function.handle
         self._device = function.device
@@ -165,9 +169,13 @@ class Launcher:
             args = [x for i, a in enumerate(args) for x in (a if i in self._tables else (a,))]
             self._pack(s.view, 0, *args)
         elif self._tmaps:
-            self._pack(s.view, 0, *[a for i, a in enumerate(args) if i not in self._tmaps])
-            for dst, i in zip(s.tmap_addresses, self._tmaps):
-                ctypes.memmove(dst, args[i].address, _TMAP_BYTES)
+            self._pack(s.view, 0, *self._scalars(args))
+            last = s.tmaps
+            for j, i in enumerate(self._tmaps):
+                m = args[i]
+                if m is not last[j]:  # (a map object is never re-pointed: the same object, the same bytes)
+                    ctypes.memmove(s.tmap_addresses[j], m.address, _TMAP_BYTES)
+                    last[j] = m
         else:
             self._pack(s.view, 0, *args)
         cfg = s.config

@@ -122,26 +122,24 @@ def encode_tensor_map(dtype, address: int, dims, strides, box, swizzle: int = 12
 
 
 class AddressedMapCache:
-    """Encoded maps keyed by (role, layout key, base address): buffers that come back (rotating inputs, a
-    training loop's reused allocations) hit the cache with no driver call. The role ("a", "b", "out", ...) keeps
-    two arguments of one launch apart even when their layouts agree. Least recently used maps beyond
-    `max_entries` are dropped. Keep one per thread, and never re-point a map it handed out."""
+    """Encoded maps keyed by (layout object, base address): buffers that come back (rotating inputs, a training
+    loop's reused allocations) hit the cache with no driver call. A layout is a plan's (dtype, dims, strides, box,
+    swizzle[, L2 promotion]) tuple, found by identity: the hit costs one hash of two ints, and the entry keeps its
+    layout alive, so the id is never reused while the entry stands. The oldest maps beyond `max_entries` are
+    dropped. Keep one per thread, and never re-point a map it handed out."""
 
     def __init__(self, max_entries: int = 256):
-        from collections import OrderedDict
-
-        self._maps = OrderedDict()
+        self._maps: dict = {}
         self._max = max_entries
 
-    def get(self, role: str, layout: tuple, address: int) -> TensorMap:
-        key = (role, layout, address)
-        m = self._maps.get(key)
-        if m is not None:
-            self._maps.move_to_end(key)
-            return m
-        if len(self._maps) >= self._max:
-            self._maps.popitem(last=False)
+    def get(self, layout: tuple, address: int) -> TensorMap:
+        hit = self._maps.get((id(layout), address))
+        if hit is not None and hit[0] is layout:
+            return hit[1]
+        while len(self._maps) >= self._max:
+            del self._maps[next(iter(self._maps))]
         dtype, dims, strides, box, swizzle, *l2_promotion = layout  # optional sixth item: L2 promotion bytes
-        m = self._maps[key] = encode_tensor_map(dtype, address, list(dims), list(strides), list(box), swizzle,
-                                                l2_promotion=l2_promotion[0] if l2_promotion else 256)
+        m = encode_tensor_map(dtype, address, list(dims), list(strides), list(box), swizzle,
+                              l2_promotion=l2_promotion[0] if l2_promotion else 256)
+        self._maps[(id(layout), address)] = (layout, m)
         return m
