@@ -15,6 +15,7 @@ from .driver import check, use_device
 # (__grid_constant__), copied in from its TensorMap's 128 bytes. "i32[N]" is a struct of N ints passed by value,
 # given as a sequence of N ints.
 _KINDS = {"ptr": ("Q", 8), "i32": ("i", 4), "u32": ("I", 4), "i64": ("q", 8), "f32": ("f", 4), "tmap": (None, 64)}
+_TMAP_BYTES = 128
 
 
 def _kind(k: str):
@@ -26,7 +27,7 @@ def _kind(k: str):
         raise ValueError(f"unknown kernel argument kind {k!r}")
     code, align = _KINDS[k]
     return code, align, _TMAP_BYTES if code is None else align
-_TMAP_BYTES = 128
+
 # A launch that names a CUfunction of another context fails with one of these; we then make the function's
 # context current and retry, instead of querying the current context on every call.
 _WRONG_CONTEXT = {cu.CUresult.CUDA_ERROR_INVALID_CONTEXT, cu.CUresult.CUDA_ERROR_INVALID_HANDLE,
@@ -45,6 +46,29 @@ def _layout(kinds):
         fmt += f"{size}x" if code is None else code
         off += size
     return fmt, offsets, max(off, 8)
+
+
+def _scalar_runs(kinds) -> list:
+    """(offset, pack_into, getter) per run of scalar parameters between tensor maps: each run is packed on its own,
+    so packing never writes over the bytes of a map (a struct's pad bytes are written as zeros)."""
+    _, offsets, _ = _layout(kinds)
+    runs, run = [], []
+    for i, k in enumerate(kinds):
+        if k == "tmap":
+            runs, run = runs + [run] if run else runs, []
+        else:
+            run.append(i)
+    runs += [run] if run else []
+    out = []
+    for run in runs:
+        fmt, cur = "<", offsets[run[0]]
+        for i in run:
+            code, _, size = _kind(kinds[i])
+            fmt += (f"{offsets[i] - cur}x" if offsets[i] > cur else "") + code
+            cur = offsets[i] + size
+        get = operator.itemgetter(*run) if len(run) > 1 else (lambda args, i=run[0]: (args[i],))
+        out.append((offsets[run[0]], struct.Struct(fmt).pack_into, get))
+    return out
 
 
 _functions: dict = {}
@@ -141,8 +165,7 @@ class Launcher:
         self._tables = tuple(i for i, k in enumerate(self.kinds) if k.startswith("i32["))
         if self._tables and self._tmaps:
             raise ValueError("a launch takes tensor maps or i32[N] tables, not both")
-        scalars = [i for i, k in enumerate(self.kinds) if k != "tmap"]
-        self._scalars = operator.itemgetter(*scalars) if len(scalars) > 1 else None
+        self._runs = _scalar_runs(self.kinds)
         self._slots = _Slots(self.kinds, block, smem, cluster, pdl)
         self._handle = function.handle
         self._device = function.device
@@ -169,7 +192,8 @@ class Launcher:
             args = [x for i, a in enumerate(args) for x in (a if i in self._tables else (a,))]
             self._pack(s.view, 0, *args)
         elif self._tmaps:
-            self._pack(s.view, 0, *self._scalars(args))
+            for off, pack, get in self._runs:
+                pack(s.view, off, *get(args))
             last = s.tmaps
             for j, i in enumerate(self._tmaps):
                 m = args[i]
