@@ -220,7 +220,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     mma_k_blocks(acc, ring, st, smem, t.kb0, t.kb1, c, lane, rank);
     const int row0 = t.m0 + c * 64;  // first row of this consumer's slice
     if (row0 >= M || t.n0 >= N) continue;  // a slice past the edge (BM rows beyond M, or a cluster's spare tile)
-    if constexpr (EPI == EPI_STORE && C_KIND != KIND_NONE) add_to_fragment<C_KIND>(acc, c_ptr, ld_c, row0, t.n0, M, N, warp, lane);
+    if constexpr (EPI == EPI_STORE && C_KIND != KIND_NONE)
+      add_to_fragment<C_KIND>(acc, c_ptr, ld_c, row0, t.n0, M, N, warp, lane);  // D = acc + C
 
     // registers -> shared (64 x CH chunks, two buffers) -> TMA store, or reduce-add of a split-K partial
     const auto store = [&] {

@@ -12,7 +12,7 @@
 // the same for A and B, so the dot products are unchanged. DEPTH k steps per warp are in flight at once.
 //
 // Loads ask L2 for 256-byte fills (the next pieces of each row are the neighbouring warps'): 16x4096x8192 27.9 ->
-// 26.9 us (H100; docs/perf-notes.md, session 15).
+// 26.9 us (H100).
 //
 // Compile-time parameters: IN_KIND, OUT_KIND, C_KIND (KIND_NONE or C's dtype), G (groups of 8 rows of B per
 // CTA), WARPS, DEPTH.

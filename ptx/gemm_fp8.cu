@@ -477,7 +477,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
 #pragma unroll
       for (int u = 0; u < SUBS; ++u)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) row_groups[u][h] = sched.row_group(t, c * WG_ROWS + u * 64 + ml.warp * 16 + ml.lane / 4 + 8 * h);
+        for (int h = 0; h < 2; ++h)
+          row_groups[u][h] = sched.row_group(t, c * WG_ROWS + u * 64 + ml.warp * 16 + ml.lane / 4 + 8 * h);
     }
     ml.sb = ScalesB(t, sb, sb_group, sb_row, sb_col, N);
 #pragma unroll

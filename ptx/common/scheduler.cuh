@@ -38,9 +38,9 @@ struct GemmTile {
   bool skip;         // nothing to compute (padding, masked out, empty k range)
 };
 
-// GEMM tiles of TILE_M x TILE_N (k blocks of TILE_K) in grouped order: cluster tiles (two tiles along M or N when PAIRING is
-// 1 or 2, else one) run group_m rows at a time, M fastest within a group, so that the CTAs of a wave share A and B
-// panels in L2. Units are:
+// GEMM tiles of TILE_M x TILE_N (k blocks of TILE_K) in grouped order: cluster tiles (two tiles along M or N when
+// PAIRING is 1 or 2, else one) run group_m rows at a time, M fastest within a group, so that the CTAs of a wave
+// share A and B panels in L2. Units are:
 // - (cluster tile, split) pairs, split fastest, with `splits` slices of K (split-K through global memory: a unit
 //   then only ever waits on a unit with a smaller index, which a resident CTA has already started);
 // - per group (ORDER LAYOUT_MASKED, LAYOUT_KGROUPED: M counts one group's rows), group slowest;
@@ -58,8 +58,8 @@ struct GemmScheduler : PersistentUnits {
   // M, N, K: one group's GEMM (LAYOUT_CONTIGUOUS: M counts all rows; LAYOUT_KGROUPED: K counts all groups').
   __device__ __forceinline__ GemmScheduler(int M_, int N_, int K, int splits_, int groups_, int group_m_,
                                            const int* info_, u32 rank_, int cluster)
-      : PersistentUnits(cl_tiles((M_ + TILE_M - 1) / TILE_M, PAIRING == 1) * cl_tiles((N_ + TILE_N - 1) / TILE_N, PAIRING == 2) *
-                            (PER_GROUP ? groups_ : splits_),
+      : PersistentUnits(cl_tiles((M_ + TILE_M - 1) / TILE_M, PAIRING == 1) *
+                            cl_tiles((N_ + TILE_N - 1) / TILE_N, PAIRING == 2) * (PER_GROUP ? groups_ : splits_),
                         cluster),
         tiles_m((M_ + TILE_M - 1) / TILE_M),
         cl_tiles_m(cl_tiles((M_ + TILE_M - 1) / TILE_M, PAIRING == 1)),
