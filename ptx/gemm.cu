@@ -79,7 +79,8 @@ constexpr int A_STAGE = BM * BK * 2;
 constexpr int B_PANELS = (BN + 63) / 64;                   // [K, N] B: 64-column panels of BK rows
 constexpr int B_PANEL_BYTES = BK * 128;
 constexpr int B_STAGE = B_KN ? B_PANELS * B_PANEL_BYTES : BN * BK * 2;
-constexpr int EPI_BYTES = EPI == EPI_STORE ? OUT_BYTES : 4;  // what the shared-memory output chunks hold
+constexpr int CHUNK_KIND = EPI == EPI_STORE ? OUT_KIND : KIND_FP32;  // what the shared-memory output chunks hold
+constexpr int EPI_BYTES = EPI == EPI_STORE ? OUT_BYTES : 4;
 // The epilogue moves a consumer's 64 x BN result in chunks of 64 x CH through two alternating buffers, so the
 // output needs 2 x 64 x CH x EPI_BYTES of shared memory per consumer instead of 64 x BN x EPI_BYTES. A chunk row
 // is at most 128 bytes (one swizzle span): CH is the largest power of two dividing BN up to that.
@@ -224,12 +225,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
       add_to_fragment<C_KIND>(acc, c_ptr, ld_c, row0, t.n0, M, N, warp, lane);  // D = acc + C
 
     // registers -> shared (64 x CH chunks, two buffers) -> TMA store, or reduce-add of a split-K partial
+    const auto write = [&](int j, u8* buf) { chunk_to_smem<CHUNK_KIND, CH>(acc, j, buf, warp, lane); };
     const auto store = [&] {
       tma_store_chunks<CHUNKS, CH, EPI != EPI_STORE>(&tm_out, d_smem, CHUNK_BYTES, chunk_seq, t.n0, row0, tid, 1 + c,
-                                                     [&](int j, u8* buf) {
-                                                       chunk_to_smem<EPI == EPI_STORE ? OUT_KIND : KIND_FP32, CH>(
-                                                           acc, j, buf, warp, lane);
-                                                     });
+                                                     write);
     };
     if constexpr (EPI == EPI_STORE) {
       store();
