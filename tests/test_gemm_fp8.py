@@ -332,7 +332,7 @@ def _rel_err(got, ref):
 @pytest.mark.parametrize("nk", [(264, 1040), (2112, 512)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_A])
 def test_grouped_contiguous(rng, alignment, nk, mode):
-    t = forced(mode, (alignment, 128))
+    tuning = forced(mode, (alignment, 128))
     n, k = nk
     tokens = [100, 0, 257, alignment, 1]  # per expert; each segment padded to `alignment` rows
     ids = []
@@ -347,7 +347,7 @@ def test_grouped_contiguous(rng, alignment, nk, mode):
     sa_dev, keep = _mmajor(sa)
     ck.gemm_fp8_grouped_contiguous(DeviceArray.from_numpy(a), sa_dev, DeviceArray.from_numpy(b),
                                    DeviceArray.from_numpy(sb), DeviceArray.from_numpy(ids), out,
-                                   alignment=alignment, tuning=t)
+                                   alignment=alignment, tuning=tuning)
     got = out.numpy().astype(np.float64)
     for e in range(groups):
         rows = ids == e
@@ -355,7 +355,7 @@ def test_grouped_contiguous(rng, alignment, nk, mode):
         assert np.isfinite(got[rows]).all(), f"expert {e}: rows not written"
         assert _rel_err(got[rows], ref) <= 5e-3, e
     assert np.isnan(got[ids < 0]).all(), "a padding row was written"
-    assert {p.cfg.bm for p in plans_under(t)} == {alignment}
+    assert {p.cfg.bm for p in plans_under(tuning)} == {alignment}
 
 
 @pytest.mark.gpu

@@ -323,6 +323,8 @@ class _MMajor:
     ld: int
     convert: object
     grid: tuple
+    strides: tuple = ()  # the source's (row, column) strides, for the copy
+    shape: tuple = ()
 
 
 def _mmajor_plan(sv: DeviceArray, device: int) -> _MMajor:
@@ -330,16 +332,16 @@ def _mmajor_plan(sv: DeviceArray, device: int) -> _MMajor:
     if _mmajor_ok(sv, rows):
         return _MMajor(sv.strides[1] if groups > 1 else mmajor_stride(rows), None, ())
     convert = get_launcher("fp8_scales.cu", "scales_to_mmajor", {}, device, _CONVERT_ARGS, (_CONVERT_THREADS,))
-    return _MMajor(mmajor_stride(rows), convert, (-(-rows * groups // _CONVERT_THREADS), 1, 1))
+    return _MMajor(mmajor_stride(rows), convert, (-(-rows * groups // _CONVERT_THREADS), 1, 1), sv.strides, sv.shape)
 
 
-def _scales_ptr(mm: _MMajor, sv: DeviceArray, slots, h: int) -> int:
-    """The M-major scales' address: sv's own, or the next scratch slot of `slots` after the copy kernel filled it."""
+def _scales_ptr(mm: _MMajor, ptr: int, slots, h: int) -> int:
+    """The M-major scales' address: `ptr` itself, or the next scratch slot of `slots` after the copy kernel filled
+    it from `ptr`."""
     if mm.convert is None:
-        return sv.ptr
+        return ptr
     slot_ptr = next(slots)
-    rows, groups = sv.shape
-    mm.convert(mm.grid, h, sv.ptr, sv.strides[0], sv.strides[1], slot_ptr, mm.ld, rows, groups)
+    mm.convert(mm.grid, h, ptr, *mm.strides, slot_ptr, mm.ld, *mm.shape)
     return slot_ptr
 
 
@@ -408,6 +410,8 @@ class _Plan:
     sa: _MMajor
     sb: _MMajor | None     # KGROUPED only
     scratch: tuple         # (slot, bytes, zeroed): the scales' M-major copies, the K-grouped offsets
+    sb_strides: tuple      # sB's (group, row, column) strides as the kernel takes them
+    ld_d: int
     args: tuple            # M, N, K, groups as the kernel takes them
 
 
@@ -416,7 +420,7 @@ def _launcher(cfg: Fp8Config, device: int, tuning: Fp8Tuning):
                         cluster=(cfg.cluster, 1, 1) if cfg.cluster > 1 else None, pdl=tuning.pdl)
 
 
-def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, tuning: Fp8Tuning) -> _Plan:
+def _make_plan(layout, av, sav, bv, sbv, dv, sb_strides, m, n, k, groups, max_bm, tuning: Fp8Tuning) -> _Plan:
     """av / bv / sav / dv are the 2D views the maps read; m, n, k, groups the kernel's arguments."""
     props = device_properties(av.device)
     cfg = pick_config(m, n, k, props, layout, groups, max_bm, tuning)
@@ -453,7 +457,7 @@ def _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, tuning: Fp
                       ch * ob)
     # m / n: the rows of a group of A / B (the maps' row counts are multiples of them): their boxes across the end
     return _Plan(cfg, launch, grid, map_a, map_b, sm90.edge_map(map_a, m), sm90.edge_map(map_b, n), map_sa, map_sb,
-                 map_d, sa, sb, tuple(scratch), (m, n, k, groups))
+                 map_d, sa, sb, tuple(scratch), sb_strides, dv.strides[0], (m, n, k, groups))
 
 
 def _fill_offsets(ks: tuple, dst: int, device: int, h: int) -> None:
@@ -468,40 +472,55 @@ def _fill_offsets(ks: tuple, dst: int, device: int, h: int) -> None:
         fill((1, 1, 1), h, dst + 4 * i, len(part), tuple(part) + (0,) * (_FILL_MAX - len(part)))
 
 
-def _run(layout, av, sav, bv, sbv, dv, sb_strides, info_ptr, m, n, k, groups, max_bm, h, tuning, ks=None):
-    key = ("gemm_fp8", layout, max_bm, m, n, k, groups, sm90.array_key(av), sm90.array_key(sav),
-           sm90.array_key(bv), sm90.array_key(sbv), sm90.array_key(dv), tuning)
+def _key(layout, tuning, *arrays) -> tuple:
+    """The plan key of one call: the layout, what of each array decides the plan (None for an output to
+    allocate), the tuning."""
+    return ("gemm_fp8", layout, tuning) + tuple(None if x is None else sm90.array_key(x) for x in arrays)
+
+
+def _plan(key, layout, av, sav, bv, sbv, dv, sb_strides, m, n, k, groups, max_bm, tuning):
+    """The cached plan for a validated call (None when there is nothing to compute)."""
     plan = PLANS.get(key)
     if plan is None:
-        plan = PLANS.add(key, _make_plan(layout, av, sav, bv, sbv, dv, m, n, k, groups, max_bm, tuning or TUNING))
+        plan = _make_plan(layout, av, sav, bv, sbv, dv, sb_strides, m, n, k, groups, max_bm, tuning or TUNING) \
+            if m and n and groups and k else _NOTHING
+        PLANS.add(key, plan)
+    return plan
+
+
+_NOTHING = "nothing to compute"  # the plan of a call with an empty dimension
+
+
+def _launch(plan, h, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr, ks=None):
+    if plan is _NOTHING:
+        return
     release = None
     ptrs = ()
     if plan.scratch:
-        ptrs, release = SCRATCH.acquire(av.device, h, plan.scratch)
+        ptrs, release = SCRATCH.acquire(plan.launch.function.device, h, plan.scratch)
     try:
         slots = iter(ptrs)  # in plan.scratch's order
         maps = sm90.thread_maps()
-        map_sa = maps.get(plan.map_sa, _scales_ptr(plan.sa, sav, slots, h))
+        map_sa = maps.get(plan.map_sa, _scales_ptr(plan.sa, sa_ptr, slots, h))
         if plan.sb is not None:
-            map_sb = maps.get(plan.map_sb, _scales_ptr(plan.sb, sbv, slots, h))
+            map_sb = maps.get(plan.map_sb, _scales_ptr(plan.sb, sb_ptr, slots, h))
             info_ptr = next(slots)
-            _fill_offsets(ks, info_ptr, av.device, h)
+            _fill_offsets(ks, info_ptr, plan.launch.function.device, h)
         else:
             map_sb = map_sa
-        map_a, map_a_edge = sm90.operand_maps(maps, plan.map_a, plan.map_a_edge, av.ptr)
-        map_b, map_b_edge = sm90.operand_maps(maps, plan.map_b, plan.map_b_edge, bv.ptr)
-        plan.launch(plan.grid, h, map_a, map_b, map_a_edge, map_b_edge, map_sa,
-                    map_sb, maps.get(plan.map_d, dv.ptr), sbv.ptr, *sb_strides, info_ptr, dv.ptr,
-                    dv.strides[0], *plan.args, plan.cfg.group_m)
+        map_a, map_a_edge = sm90.operand_maps(maps, plan.map_a, plan.map_a_edge, a_ptr)
+        map_b, map_b_edge = sm90.operand_maps(maps, plan.map_b, plan.map_b_edge, b_ptr)
+        plan.launch(plan.grid, h, map_a, map_b, map_a_edge, map_b_edge, map_sa, map_sb, maps.get(plan.map_d, d_ptr),
+                    sb_ptr, *plan.sb_strides, info_ptr, d_ptr, plan.ld_d, *plan.args, plan.cfg.group_m)
     finally:
         if release is not None:
             release()
 
 
-def _output(out, shape, dtype, device, h, stream) -> DeviceArray:
-    if out is None:
+def _output(dv, shape, dtype, device, stream) -> DeviceArray:
+    """Check the given output view, or allocate one (after every input was validated)."""
+    if dv is None:
         return DeviceArray.empty(shape, dtype, device, stream)
-    dv = as_array(out, h)
     require(dv, "out", dtypes=(dtype,), ndim=len(shape), shape=shape)
     if dv.device != device:
         raise ValueError(f"out is on cuda:{dv.device} but a is on cuda:{device}")
@@ -524,13 +543,17 @@ def gemm_fp8(a, sa, b, sb, out=None, *, stream=None, tuning: Fp8Tuning | None = 
     """
     h = stream_handle(stream)
     av, sav, bv, sbv = (as_array(x, h) for x in (a, sa, b, sb))
-    require(av, "a", dtypes=(dt.float8_e4m3,), ndim=2)
-    n, k = _check_operands(av, sav, bv, sbv, None)
-    m = av.shape[0]
-    _same_device(av, sa=sav, b=bv, sb=sbv)
-    dv = _output(out, (m, n), dt.bfloat16, av.device, h, stream)
-    if m and n:
-        _run(NORMAL, av, sav, bv, sbv, dv, (0, sbv.strides[0], sbv.strides[1]), 0, m, n, k, 1, 256, h, tuning)
+    dv = None if out is None else as_array(out, h)
+    key = _key(NORMAL, tuning, av, sav, bv, sbv, dv)
+    plan = PLANS.get(key) if dv is not None else None
+    if plan is None:  # validate once per plan
+        require(av, "a", dtypes=(dt.float8_e4m3,), ndim=2)
+        n, k = _check_operands(av, sav, bv, sbv, None)
+        m = av.shape[0]
+        _same_device(av, sa=sav, b=bv, sb=sbv)
+        dv = _output(dv, (m, n), dt.bfloat16, av.device, stream)
+        plan = _plan(key, NORMAL, av, sav, bv, sbv, dv, (0, sbv.strides[0], sbv.strides[1]), m, n, k, 1, 256, tuning)
+    _launch(plan, h, av.ptr, sav.ptr, bv.ptr, sbv.ptr, dv.ptr, 0)
     return dv if out is None else out
 
 
@@ -552,17 +575,21 @@ def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment:
         raise ValueError(f"alignment must be 64, 128 or 256 rows, got {alignment}")
     h = stream_handle(stream)
     av, sav, bv, sbv, iv = (as_array(x, h) for x in (a, sa, b, sb, m_indices))
-    require(av, "a", dtypes=(dt.float8_e4m3,), ndim=2)
-    require(bv, "b", dtypes=(dt.float8_e4m3,), ndim=3)
-    groups = bv.shape[0]
-    n, k = _check_operands(av, sav, bv, sbv, groups)
-    m = av.shape[0]
-    _check_group_ids(iv, "m_indices", m)
-    _same_device(av, sa=sav, b=bv, sb=sbv, m_indices=iv)
-    dv = _output(out, (m, n), dt.bfloat16, av.device, h, stream)
-    if m and n and groups:
-        _run(CONTIGUOUS, av, sav, _flatten(bv, "b"), sbv, dv, sbv.strides, iv.ptr, m, n, k, groups, alignment, h,
-             tuning)
+    dv = None if out is None else as_array(out, h)
+    key = _key(CONTIGUOUS, tuning, av, sav, bv, sbv, iv, dv) + (alignment,)
+    plan = PLANS.get(key) if dv is not None else None
+    if plan is None:  # validate once per plan
+        require(av, "a", dtypes=(dt.float8_e4m3,), ndim=2)
+        require(bv, "b", dtypes=(dt.float8_e4m3,), ndim=3)
+        groups = bv.shape[0]
+        n, k = _check_operands(av, sav, bv, sbv, groups)
+        m = av.shape[0]
+        _check_group_ids(iv, "m_indices", m)
+        _same_device(av, sa=sav, b=bv, sb=sbv, m_indices=iv)
+        dv = _output(dv, (m, n), dt.bfloat16, av.device, stream)
+        plan = _plan(key, CONTIGUOUS, av, sav, _flatten(bv, "b"), sbv, dv, sbv.strides, m, n, k, groups, alignment,
+                     tuning)
+    _launch(plan, h, av.ptr, sav.ptr, bv.ptr, sbv.ptr, dv.ptr, iv.ptr)
     return dv if out is None else out
 
 
@@ -577,16 +604,20 @@ def gemm_fp8_grouped_masked(a, sa, b, sb, masked_m, out=None, *, stream=None, tu
     """
     h = stream_handle(stream)
     av, sav, bv, sbv, iv = (as_array(x, h) for x in (a, sa, b, sb, masked_m))
-    require(av, "a", dtypes=(dt.float8_e4m3,), ndim=3)
-    require(bv, "b", dtypes=(dt.float8_e4m3,), ndim=3)
-    groups, m, _ = av.shape
-    n, k = _check_operands(av, sav, bv, sbv, groups)
-    _check_group_ids(iv, "masked_m", groups)
-    _same_device(av, sa=sav, b=bv, sb=sbv, masked_m=iv)
-    dv = _output(out, (groups, m, n), dt.bfloat16, av.device, h, stream)
-    if m and n and groups:
-        _run(MASKED, _flatten(av, "a"), _flatten(sav, "sa"), _flatten(bv, "b"), sbv, _flatten(dv, "out"),
-             sbv.strides, iv.ptr, m, n, k, groups, 256, h, tuning)
+    dv = None if out is None else as_array(out, h)
+    key = _key(MASKED, tuning, av, sav, bv, sbv, iv, dv)
+    plan = PLANS.get(key) if dv is not None else None
+    if plan is None:  # validate once per plan
+        require(av, "a", dtypes=(dt.float8_e4m3,), ndim=3)
+        require(bv, "b", dtypes=(dt.float8_e4m3,), ndim=3)
+        groups, m, _ = av.shape
+        n, k = _check_operands(av, sav, bv, sbv, groups)
+        _check_group_ids(iv, "masked_m", groups)
+        _same_device(av, sa=sav, b=bv, sb=sbv, masked_m=iv)
+        dv = _output(dv, (groups, m, n), dt.bfloat16, av.device, stream)
+        plan = _plan(key, MASKED, _flatten(av, "a"), _flatten(sav, "sa"), _flatten(bv, "b"), sbv, _flatten(dv, "out"),
+                     sbv.strides, m, n, k, groups, 256, tuning)
+    _launch(plan, h, av.ptr, sav.ptr, bv.ptr, sbv.ptr, dv.ptr, iv.ptr)
     return dv if out is None else out
 
 
@@ -606,6 +637,11 @@ def gemm_fp8_wgrad(a, sa, b, sb, d, ks, *, stream=None, tuning: Fp8Tuning | None
         raise ValueError(f"ks: each group's K must be a non-negative multiple of 128, got {ks}")
     h = stream_handle(stream)
     av, sav, bv, sbv, dv = (as_array(x, h) for x in (a, sa, b, sb, d))
+    key = _key(KGROUPED, tuning, av, sav, bv, sbv, dv)
+    plan = PLANS.get(key)
+    if plan is not None and sum(ks) == av.shape[1] and len(ks) == dv.shape[0]:  # validated with this plan
+        _launch(plan, h, av.ptr, sav.ptr, bv.ptr, sbv.ptr, dv.ptr, 0, ks)
+        return d
     require(av, "a", dtypes=(dt.float8_e4m3,), ndim=2)
     require(bv, "b", dtypes=(dt.float8_e4m3,), ndim=2)
     m, k = av.shape
@@ -619,6 +655,6 @@ def gemm_fp8_wgrad(a, sa, b, sb, d, ks, *, stream=None, tuning: Fp8Tuning | None
     _check_scales(sbv, "sb", (n, k // 128))
     require(dv, "d", dtypes=(dt.float32,), ndim=3, shape=(groups, m, n))
     _same_device(av, sa=sav, b=bv, sb=sbv, d=dv)
-    if m and n and groups and k:
-        _run(KGROUPED, av, sav, bv, sbv, _flatten(dv, "d"), (0, 0, 0), 0, m, n, k, groups, 256, h, tuning, ks)
+    plan = _plan(key, KGROUPED, av, sav, bv, sbv, _flatten(dv, "d"), (0, 0, 0), m, n, k, groups, 256, tuning)
+    _launch(plan, h, av.ptr, sav.ptr, bv.ptr, sbv.ptr, dv.ptr, 0, ks)
     return d
