@@ -29,10 +29,7 @@ struct StageRing {
 
   // `bars`: 2 x RING mbarriers in shared memory.
   __device__ __forceinline__ explicit StageRing(u8* bars)
-      : full(reinterpret_cast<u64*>(bars)), empty(reinterpret_cast<u64*>(bars) + RING) {
-    asm("" : "+l"(full));
-    asm("" : "+l"(empty));
-  }
+      : full(reinterpret_cast<u64*>(bars)), empty(reinterpret_cast<u64*>(bars) + RING) {}
 
   // Thread 0 initialises the barriers, then the whole CTA, or in a cluster the whole cluster, synchronises: the
   // other CTAs' barriers exist before any multicast or remote arrival.
