@@ -249,7 +249,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     # a group of one row of tiles would pair with an idle spare; contiguous: never).
     share_b = layout == NORMAL or (per_group and -(-m // bm) >= 2)
     mcast = MCAST_NONE
-    if tiles_m >= 2 and layout != KGROUPED and splits == 1:
+    if (tiles_m >= 2 or t.force_mcast is not None) and layout != KGROUPED and splits == 1:  # (forced: spare tiles too)
         mcast = sm90.pick_multicast(m_all, n, bm, bn, 1, False, props, t, share_b)
     group_m = 1 if t.force_splits else sm90.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     stream_b = layout == NORMAL and sm90.streams_b(m, k, 1, t)
