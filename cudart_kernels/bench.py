@@ -1,4 +1,4 @@
-"""Benchmark harness (DESIGN.md section 4): CUDA events over many launches after warm-up, median of repeats,
+"""Benchmark harness (the protocol of docs/tuning.md): CUDA events over many launches after warm-up, median of repeats,
 inputs rotated over more than 2x L2 so nothing is served hot from cache, peers timed in the same process.
 """
 from __future__ import annotations
@@ -81,7 +81,7 @@ def graph_times_us(torch, runs, n_sets: int = 1, iters: int = 20, repeats: int =
 
     The runs take turns, in order on even rounds and reversed on odd ones: at the 700 W power cap the clock falls
     while the board heats, so whatever is timed first on a cool board gains (H100, bench order peer then ours
-    against ours then peer: 5-20% on the M = 4096 GEMMs; docs/perf-notes.md, session 9)."""
+    against ours then peer: 5-20% on the M = 4096 GEMMs)."""
     global _graph_stream
     if _graph_stream is None:
         _graph_stream = torch.cuda.Stream()  # one for the process: our split-K workspace is per stream
@@ -379,7 +379,7 @@ def bench_gemm_fp8(quick: bool = False, device: int = 0) -> list[Row]:
         # The peers write into the same rotating outputs as we do (`out=`). Left to allocate, torch._scaled_mm gets
         # the same graph-pool buffer on every call, which stays in L2, while ours rotate over `sets` buffers whose
         # dirty lines go back to DRAM: 128x32768x512 (8 MB of output) measured 10.5 us allocating against 12.2 us
-        # into d[i] (H100, docs/perf-notes.md session 21).
+        # into d[i] (H100).
         def blockwise(i, s):
             a, sa, b, sb = ops[i]
             return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16, out=d[i])

@@ -1,5 +1,5 @@
 """Interop on the GPU: DeviceArray basics, DLPack round trips with torch, cupy and jax in both directions,
-stream ordering on non-default streams, CUDA graph capture."""
+stream ordering on non-default streams (graph capture: test_graphs_gpu.py)."""
 import numpy as np
 import pytest
 
@@ -106,41 +106,6 @@ def test_input_produced_on_another_stream_is_ordered():
     eq, es = ref.quantize_per_token(base.float().cpu().numpy().astype(ck.bfloat16.numpy))
     assert np.array_equal(q.numpy().view(np.uint8), eq.view(np.uint8))
     assert np.array_equal(s.numpy(), es)
-
-
-def test_torch_cuda_graph_capture():
-    torch = _torch()
-    x = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(384, 1024, device="cuda", dtype=torch.bfloat16)
-    q = torch.empty(300, 1024, device="cuda", dtype=torch.float8_e4m3fn)
-    s = torch.empty_strided((300, 8), (1, 300), device="cuda", dtype=torch.float32)
-    qw = torch.empty(384, 1024, device="cuda", dtype=torch.float8_e4m3fn)
-    sw = torch.empty(3, 8, device="cuda", dtype=torch.float32)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compile and load outside the capture
-        ck.quantize_fp8_per_token(x, out=q, out_scales=s, stream=side)
-        ck.quantize_fp8_per_block(w, out=qw, out_scales=sw, stream=side)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        cur = torch.cuda.current_stream()
-        ck.quantize_fp8_per_token(x, out=q, out_scales=s, stream=cur)
-        ck.quantize_fp8_per_block(w, out=qw, out_scales=sw, stream=cur)
-        with pytest.raises(RuntimeError, match="capturing"):
-            ck.quantize_fp8_per_token(x, stream=cur)  # allocation inside capture is refused clearly
-    for _ in range(2):
-        x.copy_(torch.randn_like(x))
-        w.copy_(torch.randn_like(w))
-        q.fill_(0)
-        g.replay()
-        torch.cuda.synchronize()
-        eq, es = ref.quantize_per_token(x.float().cpu().numpy().astype(ck.bfloat16.numpy))
-        assert np.array_equal(q.view(torch.uint8).cpu().numpy(), eq.view(np.uint8))
-        assert np.array_equal(s.cpu().numpy(), es)
-        ew, esw = ref.quantize_per_block(w.float().cpu().numpy().astype(ck.bfloat16.numpy))
-        assert np.array_equal(qw.view(torch.uint8).cpu().numpy(), ew.view(np.uint8))
-        assert np.array_equal(sw.cpu().numpy(), esw)
 
 
 # ---- cupy ------------------------------------------------------------------------------------------------------
