@@ -480,11 +480,12 @@ def _key(layout, tuning, *arrays) -> tuple:
 
 def _plan(key, layout, av, sav, bv, sbv, dv, sb_strides, m, n, k, groups, max_bm, tuning):
     """The cached plan for a validated call (None when there is nothing to compute)."""
+    if not (m and n and groups and k):
+        return _NOTHING  # (not cached: the plan cache holds plans only)
     plan = PLANS.get(key)
     if plan is None:
-        plan = _make_plan(layout, av, sav, bv, sbv, dv, sb_strides, m, n, k, groups, max_bm, tuning or TUNING) \
-            if m and n and groups and k else _NOTHING
-        PLANS.add(key, plan)
+        plan = PLANS.add(key, _make_plan(layout, av, sav, bv, sbv, dv, sb_strides, m, n, k, groups, max_bm,
+                                         tuning or TUNING))
     return plan
 
 
