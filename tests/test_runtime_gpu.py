@@ -47,6 +47,27 @@ def test_launcher_packs_every_kind(probe):
         assert got[20] == grid[0] * 1000000 + grid[1] * 1000 + grid[2]
 
 
+def test_launcher_run_repacks_only_a_new_tuple(probe):
+    out = DeviceArray.empty((21,), "int64")
+    buf = DeviceArray.empty((64, 256), "bf16")
+    tm = encode_tensor_map("bf16", buf.ptr, [256, 64], [512], [64, 32])
+    lau = Launcher(probe, ["i32", "i64", "f32", "ptr", "tmap", "u32"], (32,))
+    first, second = (-7, 5, 1.5, out.ptr, tm, 1), (3, 6, 2.5, out.ptr, tm, 2)
+
+    def check(args):
+        out.fill_bytes(0xEE)
+        lau.run((1, 1, 1), 0, args)
+        got = out.numpy().view(np.uint64)
+        assert got[0] == np.uint64(args[0] % 2**64) and got[1] == args[1] and got[3] == args[5]
+        assert got[4:20].tobytes() == tm.bytes()
+
+    for args in (first, first, second, first, second):
+        check(args)
+    with pytest.raises(struct.error):  # (packing stops part way: the buffer may hold a mix)
+        lau.run((1, 1, 1), 0, (9, 9, 9.0, "not a pointer", tm, 9))
+    check(second)  # the tuple packed last before the failure is packed again
+
+
 def test_launcher_errors(probe):
     lau = Launcher(probe, ["i32", "i64", "f32", "ptr", "tmap", "u32"], (32,))
     with pytest.raises(TypeError, match="takes 6 arguments"):

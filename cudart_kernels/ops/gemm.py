@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from ..runtime import dtypes as dt
 from ..runtime.driver import DeviceProperties, device_properties, stream_handle
-from ..runtime.interop import DeviceArray, as_array, require
-from ..runtime.launch import get_launcher
+from ..runtime.interop import DeviceArray, as_arrays, require
+from ..runtime.launch import ArgsMemo, get_launcher
 from ..runtime.plans import PLANS
 from ..runtime.scratch import SCRATCH
 from . import sm90
@@ -378,6 +378,9 @@ class _Plan:
     ld_w: int
     scratch: tuple     # (slot, bytes, zeroed) for the split-K workspace and counters; () when none
     uses_c: bool       # C is read (not accumulate-in-place)
+    ld_d: int
+    mnk: tuple         # M, N, K as the kernel takes them
+    memo: ArgsMemo = field(default_factory=ArgsMemo, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -387,6 +390,16 @@ class _DecodePlan:
     grid: tuple
     uses_c: bool
 
+
+
+def _args(plan: _Plan, a_ptr: int, b_ptr: int, d_ptr: int, c_ptr: int, ld_c: int, w_ptr: int, counters: int) -> tuple:
+    """The tiled kernel's arguments; w_ptr / counters: the split-K workspace and tile counters (0 without)."""
+    maps = sm90.thread_maps()
+    map_a, map_a_edge = sm90.operand_maps(maps, plan.map_a, plan.map_a_edge, a_ptr)
+    map_b, map_b_edge = sm90.operand_maps(maps, plan.map_b, plan.map_b_edge, b_ptr)
+    map_out = maps.get(plan.map_out, w_ptr if plan.epi == "EPI_SPLIT" else d_ptr)
+    return (map_a, map_b, map_a_edge, map_b_edge, map_out, d_ptr, plan.ld_d, w_ptr, plan.ld_w, c_ptr, ld_c, counters,
+            *plan.mnk, plan.cfg.splits, plan.cfg.group_m)
 
 def _check_inputs(av, bv, cv, b_kn: bool) -> tuple[int, int, int]:
     """Validate A, B and C (everything but the output); return (M, N, K)."""
@@ -467,7 +480,7 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
     else:
         scratch = ()
     return _Plan(cfg, epi, launch, grid, map_a, map_b, sm90.edge_map(map_a, m), map_b_edge, map_out, ld_w,
-                 scratch, c_dtype is not None)
+                 scratch, c_dtype is not None, dv.strides[0], (m, n, k))
 
 
 def _same_memory(x: DeviceArray, y: DeviceArray) -> bool:
@@ -492,21 +505,18 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
     if split_k is not None and (int(split_k) != split_k or split_k < 1):
         raise ValueError(f"split_k must be a positive integer or None, got {split_k!r}")
     h = stream_handle(stream)
-    av = as_array(a, h)
-    bv = as_array(b, h)
+    av, bv, dv, cv = as_arrays((a, b, out, None if c is out else c), h)
+    if c is not None and c is out:
+        cv = dv
     if out is None:
-        cv = None if c is None else as_array(c, h)
         m, n, _ = _check_inputs(av, bv, cv, b_kn)
         od = dt.as_dtype(out_dtype) if out_dtype is not None else av.dtype
         if od not in _OUTPUTS:
             raise TypeError(f"out_dtype {od.name} not supported (bfloat16, float16, float32)")
         dv = DeviceArray.empty((m, n), od, av.device, stream)
-    else:
-        dv = as_array(out, h)
-        cv = None if c is None else (dv if c is out else as_array(c, h))
     accumulate = cv is not None and dv.dtype is dt.float32 and _same_memory(cv, dv)
     key = ("gemm", sm90.array_key(av), sm90.array_key(bv), sm90.array_key(dv),
-           None if cv is None else (sm90.array_key(cv), accumulate), split_k, deterministic, b_kn, tuning)  # (None: the default, unhashed)
+           None if cv is None else (sm90.array_key(cv), accumulate), split_k, deterministic, b_kn, tuning)
     plan = PLANS.get(key)
     if plan is None:
         if dv.ndim == 2 and 0 in dv.shape:
@@ -518,23 +528,18 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
     if type(plan) is _DecodePlan:
         plan.launch(plan.grid, h, av.ptr, av.strides[0], bv.ptr, bv.strides[0], dv.ptr, dv.strides[0], c_ptr, ld_c,
                     av.shape[0], dv.shape[1], av.shape[1])
-        return dv if out is None else out
-    maps = sm90.thread_maps()
-    map_a, map_a_edge = sm90.operand_maps(maps, plan.map_a, plan.map_a_edge, av.ptr)
-    map_b, map_b_edge = sm90.operand_maps(maps, plan.map_b, plan.map_b_edge, bv.ptr)
-    w_ptr = counters = 0
-    release = None
-    if plan.scratch:
+    elif not plan.scratch:  # the arguments are a function of the pointers alone
+        ptrs = (av.ptr, bv.ptr, dv.ptr, c_ptr)
+        args = plan.memo.get(ptrs)
+        if args is None:
+            args = plan.memo.add(ptrs, _args(plan, av.ptr, bv.ptr, dv.ptr, c_ptr, ld_c, 0, 0))
+        plan.launch.run(plan.grid, h, args)
+    else:
         ptrs, release = SCRATCH.acquire(av.device, h, plan.scratch)
-        counters = ptrs[-1]
-        if plan.epi == "EPI_SPLIT":
-            w_ptr = ptrs[0]
-    map_out = maps.get(plan.map_out, w_ptr if plan.epi == "EPI_SPLIT" else dv.ptr)
-    try:
-        plan.launch(plan.grid, h, map_a, map_b, map_a_edge, map_b_edge, map_out, dv.ptr, dv.strides[0], w_ptr,
-                    plan.ld_w, c_ptr, ld_c, counters, av.shape[0], dv.shape[1], av.shape[1], plan.cfg.splits,
-                    plan.cfg.group_m)
-    finally:
-        if release is not None:
-            release()
+        try:
+            w_ptr = ptrs[0] if plan.epi == "EPI_SPLIT" else 0
+            plan.launch.run(plan.grid, h, _args(plan, av.ptr, bv.ptr, dv.ptr, c_ptr, ld_c, w_ptr, ptrs[-1]))
+        finally:
+            if release is not None:
+                release()
     return dv if out is None else out

@@ -5,12 +5,12 @@ rows per expert, masked per-expert batches) and the K-grouped weight gradient wi
 accumulated into an fp32 D. One kernel, ptx/gemm_fp8.cu, compiled per layout."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..runtime import dtypes as dt
 from ..runtime.driver import DeviceProperties, device_properties, stream_handle
-from ..runtime.interop import DeviceArray, as_array, require
-from ..runtime.launch import get_launcher
+from ..runtime.interop import DeviceArray, as_arrays, require
+from ..runtime.launch import ArgsMemo, get_launcher
 from ..runtime.plans import PLANS
 from ..runtime.scratch import SCRATCH
 from . import sm90
@@ -413,6 +413,7 @@ class _Plan:
     sb_strides: tuple      # sB's (group, row, column) strides as the kernel takes them
     ld_d: int
     args: tuple            # M, N, K, groups as the kernel takes them
+    memo: ArgsMemo = field(default_factory=ArgsMemo, compare=False, repr=False)
 
 
 def _launcher(cfg: Fp8Config, device: int, tuning: Fp8Tuning):
@@ -475,7 +476,7 @@ def _fill_offsets(ks: tuple, dst: int, device: int, h: int) -> None:
 def _key(layout, tuning, *arrays) -> tuple:
     """The plan key of one call: the layout, what of each array decides the plan (None for an output to
     allocate), the tuning."""
-    return ("gemm_fp8", layout, tuning) + tuple(None if x is None else sm90.array_key(x) for x in arrays)
+    return ("gemm_fp8", layout, tuning, *[None if x is None else sm90.array_key(x) for x in arrays])
 
 
 def _plan(key, layout, av, sav, bv, sbv, dv, sb_strides, m, n, k, groups, max_bm, tuning):
@@ -495,27 +496,38 @@ _NOTHING = "nothing to compute"  # the plan of a call with an empty dimension
 def _launch(plan, h, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr, ks=None):
     if plan is _NOTHING:
         return
-    release = None
-    ptrs = ()
-    if plan.scratch:
-        ptrs, release = SCRATCH.acquire(plan.launch.function.device, h, plan.scratch)
+    if not plan.scratch:  # the arguments are a function of the pointers alone
+        ptrs = (a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr)
+        args = plan.memo.get(ptrs)
+        if args is None:
+            args = plan.memo.add(ptrs, _args(plan, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr))
+        plan.launch.run(plan.grid, h, args)
+        return
+    ptrs, release = SCRATCH.acquire(plan.launch.function.device, h, plan.scratch)
     try:
         slots = iter(ptrs)  # in plan.scratch's order
-        maps = sm90.thread_maps()
-        map_sa = maps.get(plan.map_sa, _scales_ptr(plan.sa, sa_ptr, slots, h))
+        sa_ptr = _scales_ptr(plan.sa, sa_ptr, slots, h)
         if plan.sb is not None:
-            map_sb = maps.get(plan.map_sb, _scales_ptr(plan.sb, sb_ptr, slots, h))
+            sb_mmajor = _scales_ptr(plan.sb, sb_ptr, slots, h)
             info_ptr = next(slots)
             _fill_offsets(ks, info_ptr, plan.launch.function.device, h)
         else:
-            map_sb = map_sa
-        map_a, map_a_edge = sm90.operand_maps(maps, plan.map_a, plan.map_a_edge, a_ptr)
-        map_b, map_b_edge = sm90.operand_maps(maps, plan.map_b, plan.map_b_edge, b_ptr)
-        plan.launch(plan.grid, h, map_a, map_b, map_a_edge, map_b_edge, map_sa, map_sb, maps.get(plan.map_d, d_ptr),
-                    sb_ptr, *plan.sb_strides, info_ptr, d_ptr, plan.ld_d, *plan.args, plan.cfg.group_m)
+            sb_mmajor = 0
+        plan.launch.run(plan.grid, h, _args(plan, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor))
     finally:
         if release is not None:
             release()
+
+
+def _args(plan, a_ptr, sa_mmajor, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor=0) -> tuple:
+    """The kernel's arguments; sa_mmajor / sb_mmajor: the scales the sA / sB maps read (sB: K-grouped only)."""
+    maps = sm90.thread_maps()
+    map_sa = maps.get(plan.map_sa, sa_mmajor)
+    map_sb = map_sa if plan.map_sb is None else maps.get(plan.map_sb, sb_mmajor)  # (unused without K groups)
+    map_a, map_a_edge = sm90.operand_maps(maps, plan.map_a, plan.map_a_edge, a_ptr)
+    map_b, map_b_edge = sm90.operand_maps(maps, plan.map_b, plan.map_b_edge, b_ptr)
+    return (map_a, map_b, map_a_edge, map_b_edge, map_sa, map_sb, maps.get(plan.map_d, d_ptr), sb_ptr,
+            *plan.sb_strides, info_ptr, d_ptr, plan.ld_d, *plan.args, plan.cfg.group_m)
 
 
 def _output(dv, shape, dtype, device, stream) -> DeviceArray:
@@ -543,8 +555,7 @@ def gemm_fp8(a, sa, b, sb, out=None, *, stream=None, tuning: Fp8Tuning | None = 
     sb may have any strides. Runs on `stream`; returns `out`.
     """
     h = stream_handle(stream)
-    av, sav, bv, sbv = (as_array(x, h) for x in (a, sa, b, sb))
-    dv = None if out is None else as_array(out, h)
+    av, sav, bv, sbv, dv = as_arrays((a, sa, b, sb, out), h)
     key = _key(NORMAL, tuning, av, sav, bv, sbv, dv)
     plan = PLANS.get(key) if dv is not None else None
     if plan is None:  # validate once per plan
@@ -575,8 +586,7 @@ def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment:
     if alignment not in (64, 128, 256):
         raise ValueError(f"alignment must be 64, 128 or 256 rows, got {alignment}")
     h = stream_handle(stream)
-    av, sav, bv, sbv, iv = (as_array(x, h) for x in (a, sa, b, sb, m_indices))
-    dv = None if out is None else as_array(out, h)
+    av, sav, bv, sbv, iv, dv = as_arrays((a, sa, b, sb, m_indices, out), h)
     key = _key(CONTIGUOUS, tuning, av, sav, bv, sbv, iv, dv) + (alignment,)
     plan = PLANS.get(key) if dv is not None else None
     if plan is None:  # validate once per plan
@@ -604,8 +614,7 @@ def gemm_fp8_grouped_masked(a, sa, b, sb, masked_m, out=None, *, stream=None, tu
     groups of a, sa (as [G * M, ...]) and out must follow each other in memory.
     """
     h = stream_handle(stream)
-    av, sav, bv, sbv, iv = (as_array(x, h) for x in (a, sa, b, sb, masked_m))
-    dv = None if out is None else as_array(out, h)
+    av, sav, bv, sbv, iv, dv = as_arrays((a, sa, b, sb, masked_m, out), h)
     key = _key(MASKED, tuning, av, sav, bv, sbv, iv, dv)
     plan = PLANS.get(key) if dv is not None else None
     if plan is None:  # validate once per plan
@@ -637,7 +646,7 @@ def gemm_fp8_wgrad(a, sa, b, sb, d, ks, *, stream=None, tuning: Fp8Tuning | None
     if any(x < 0 or x % 128 for x in ks):
         raise ValueError(f"ks: each group's K must be a non-negative multiple of 128, got {ks}")
     h = stream_handle(stream)
-    av, sav, bv, sbv, dv = (as_array(x, h) for x in (a, sa, b, sb, d))
+    av, sav, bv, sbv, dv = as_arrays((a, sa, b, sb, d), h)
     key = _key(KGROUPED, tuning, av, sav, bv, sbv, dv)
     plan = PLANS.get(key)
     if plan is not None and sum(ks) == av.shape[1] and len(ks) == dv.shape[0]:  # validated with this plan

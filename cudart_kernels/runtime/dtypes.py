@@ -7,8 +7,9 @@ import ml_dtypes
 import numpy as np
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DType:
+    """One instance per type (the module's constants): equality and hashing are identity, cheap in plan keys."""
     name: str
     itemsize: int
     dlpack_code: int  # DLDataTypeCode (DLPack 1.1)
@@ -16,6 +17,9 @@ class DType:
 
     def __repr__(self) -> str:
         return f"cudart_kernels.{self.name}"
+
+    def __reduce__(self):  # unpickles to the module's constant, keeping the one-instance rule
+        return self.name
 
 
 float32 = DType("float32", 4, 2, np.dtype(np.float32))

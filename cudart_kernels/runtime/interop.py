@@ -395,19 +395,39 @@ def _torch_support():
     return _torch
 
 
-def _from_torch(t, consumer: int, table, raw_stream) -> DeviceArray:
-    """torch.Tensor without a DLPack round trip, with the same ordering torch's __dlpack__(stream) gives: the
-    consumer stream waits for torch's current stream on the tensor's device."""
+def _torch_view(t, consumer: int, table) -> DeviceArray:
+    """torch.Tensor without a DLPack round trip (the caller orders `consumer` after torch's current stream)."""
     if not t.is_cuda:
         raise HostArrayError(f"expected a CUDA tensor, got one on {t.device}; move it to the GPU first")
     dtype = table.get(t.dtype)
     if dtype is None:
         raise TypeError(f"unsupported dtype {t.dtype}")
-    dev = t.get_device()
-    producer = raw_stream(dev)
-    if producer != consumer:
-        _order(producer, consumer)
-    return _make(t.data_ptr(), t.shape, t.stride(), dtype, dev, consumer, t)  # torch.Size is a tuple
+    return _make(t.data_ptr(), t.shape, t.stride(), dtype, t.get_device(), consumer, t)  # torch.Size is a tuple
+
+
+def as_arrays(objs, stream: int) -> list:
+    """`as_array` over the arrays of one call (None stays None), on the stream handle `stream`. Torch tensors get
+    the ordering torch's __dlpack__(stream) gives, once: `stream` waits for torch's current stream on the first
+    tensor's device (the ops require one device for all their arrays)."""
+    if "torch" not in sys.modules:
+        return [x if x is None or type(x) is DeviceArray else as_array(x, stream) for x in objs]
+    tensor, table, raw_stream = _torch or _torch_support()
+    views, device = [], None
+    for x in objs:
+        if x is None or type(x) is DeviceArray:
+            pass
+        elif isinstance(x, tensor):
+            x = _torch_view(x, stream, table)
+            if device is None:
+                device = x.device
+        else:
+            x = as_array(x, stream)
+        views.append(x)
+    if device is not None:
+        producer = raw_stream(device)
+        if producer != stream:
+            _order(producer, stream)
+    return views
 
 
 def as_array(obj, stream=None) -> DeviceArray:
@@ -422,7 +442,7 @@ def as_array(obj, stream=None) -> DeviceArray:
     if "torch" in sys.modules:
         ts = _torch or _torch_support()
         if isinstance(obj, ts[0]):
-            return _from_torch(obj, h, ts[1], ts[2])
+            return as_arrays((obj,), h)[0]
     if hasattr(obj, "__dlpack__"):
         if hasattr(obj, "__dlpack_device__"):
             dev_type = obj.__dlpack_device__()[0]
