@@ -288,3 +288,55 @@ def test_cupy_graph_capture():
         want = new_a.astype(np.float64) @ cp.asnumpy(b).astype(np.float64).T
         got = cp.asnumpy(d).astype(np.float64)
         assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-4
+
+
+def test_graph_scratch_is_the_graphs_own_and_freed_with_it():
+    """Driver-level capture of a split-K call: the graph holds kernels and one memory-node pair, no memset (its
+    zeroed scratch was zeroed once, outside), cannot be instantiated twice (so no two copies share that scratch),
+    replays correctly, and its scratch is freed once the graph is destroyed."""
+    import gc
+    import time
+
+    from cuda.bindings import driver as cu
+
+    from cudart_kernels.runtime.driver import check
+    from cudart_kernels.runtime.scratch import SCRATCH
+
+    m, n, k = 200, 4096, 4096
+    rng = np.random.default_rng()
+    a_host = (rng.standard_normal((m, k)) * 0.5).astype(np.float16)
+    b_host = (rng.standard_normal((n, k)) * 0.5).astype(np.float16)
+    a, b = ck.DeviceArray.from_numpy(a_host), ck.DeviceArray.from_numpy(b_host)
+    d = ck.DeviceArray.empty((m, n), "float32")
+    stream = int(check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING)))
+    before = SCRATCH.graph_buffers()
+    check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+    ck.gemm(a, b, out=d, stream=stream)
+    ck.gemm(a, b, out=d, stream=stream)  # a second call on the stream shares the graph's buffers
+    graph = check(cu.cuStreamEndCapture(stream))
+    assert SCRATCH.graph_buffers() == before + 1
+    nodes, count = check(cu.cuGraphGetNodes(graph, 64))
+    kinds = [check(cu.cuGraphNodeGetType(x)) for x in nodes[:count]]
+    T = cu.CUgraphNodeType
+    assert kinds.count(T.CU_GRAPH_NODE_TYPE_KERNEL) == 2 and T.CU_GRAPH_NODE_TYPE_MEMSET not in kinds
+    assert kinds.count(T.CU_GRAPH_NODE_TYPE_MEM_ALLOC) == 1 and kinds.count(T.CU_GRAPH_NODE_TYPE_MEM_FREE) == 1
+    exe = check(cu.cuGraphInstantiate(graph, 0))
+    err = cu.cuGraphInstantiate(graph, 0)[0]
+    assert err != cu.CUresult.CUDA_SUCCESS  # one executable copy at a time
+    want = a_host.astype(np.float64) @ b_host.astype(np.float64).T
+    for _ in range(3):
+        d.fill_bytes(0xFF)
+        check(cu.cuGraphLaunch(exe, stream))
+        check(cu.cuStreamSynchronize(stream))
+        got = d.numpy().astype(np.float64)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) <= 1e-4
+    check(cu.cuGraphExecDestroy(exe))
+    check(cu.cuGraphDestroy(graph))
+    check(cu.cuStreamDestroy(stream))
+    for _ in range(50):  # the driver runs the user object's destructor on its own thread
+        gc.collect()
+        SCRATCH.release()
+        if SCRATCH.graph_buffers() == before:
+            break
+        time.sleep(0.01)
+    assert SCRATCH.graph_buffers() == before

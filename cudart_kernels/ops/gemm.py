@@ -535,11 +535,7 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
             args = plan.memo.add(ptrs, _args(plan, av.ptr, bv.ptr, dv.ptr, c_ptr, ld_c, 0, 0))
         plan.launch.run(plan.grid, h, args)
     else:
-        ptrs, release = SCRATCH.acquire(av.device, h, plan.scratch)
-        try:
-            w_ptr = ptrs[0] if plan.epi == "EPI_SPLIT" else 0
-            plan.launch.run(plan.grid, h, _args(plan, av.ptr, bv.ptr, dv.ptr, c_ptr, ld_c, w_ptr, ptrs[-1]))
-        finally:
-            if release is not None:
-                release()
+        ptrs = SCRATCH.acquire(av.device, h, plan.scratch)
+        w_ptr = ptrs[0] if plan.epi == "EPI_SPLIT" else 0
+        plan.launch.run(plan.grid, h, _args(plan, av.ptr, bv.ptr, dv.ptr, c_ptr, ld_c, w_ptr, ptrs[-1]))
     return dv if out is None else out

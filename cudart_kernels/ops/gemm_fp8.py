@@ -503,20 +503,15 @@ def _launch(plan, h, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr, ks=None):
             args = plan.memo.add(ptrs, _args(plan, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr))
         plan.launch.run(plan.grid, h, args)
         return
-    ptrs, release = SCRATCH.acquire(plan.launch.function.device, h, plan.scratch)
-    try:
-        slots = iter(ptrs)  # in plan.scratch's order
-        sa_ptr = _scales_ptr(plan.sa, sa_ptr, slots, h)
-        if plan.sb is not None:
-            sb_mmajor = _scales_ptr(plan.sb, sb_ptr, slots, h)
-            info_ptr = next(slots)
-            _fill_offsets(ks, info_ptr, plan.launch.function.device, h)
-        else:
-            sb_mmajor = 0
-        plan.launch.run(plan.grid, h, _args(plan, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor))
-    finally:
-        if release is not None:
-            release()
+    slots = iter(SCRATCH.acquire(plan.launch.function.device, h, plan.scratch))  # in plan.scratch's order
+    sa_ptr = _scales_ptr(plan.sa, sa_ptr, slots, h)
+    if plan.sb is not None:
+        sb_mmajor = _scales_ptr(plan.sb, sb_ptr, slots, h)
+        info_ptr = next(slots)
+        _fill_offsets(ks, info_ptr, plan.launch.function.device, h)
+    else:
+        sb_mmajor = 0
+    plan.launch.run(plan.grid, h, _args(plan, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor))
 
 
 def _args(plan, a_ptr, sa_mmajor, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor=0) -> tuple:

@@ -7,12 +7,16 @@ after every driver call succeeded; outgrown buffers are kept until `release_scra
 queued on the same stream may still read one).
 
 While a stream captures a graph, a call never touches those buffers: a graph may be replayed on any stream, beside
-eager work or another replay. Its scratch is allocated inside the capture instead (cuMemAllocAsync, zeroed by a
-captured memset where the kernel needs zeros, cuMemFreeAsync after the launch): the graph owns that memory, and
-each replay gets its own. Nothing needs reserving ahead of a capture.
+eager work or another replay. The graph gets buffers of its own instead, per (capturing stream, slot), made
+outside the capture (zeroed once where the kernel needs zeros: the kernels leave such buffers zero, so a replay
+needs no memset node) and freed after the graph is destroyed (a CUDA user object the graph holds). One
+allocation node and its free are also captured, once per graph: a graph with memory nodes cannot be instantiated
+twice, so no two executable copies of it can share its buffers. Nothing needs reserving ahead of a capture.
 """
 from __future__ import annotations
 
+import collections
+import ctypes
 import threading
 
 from cuda.bindings import driver as cu
@@ -29,15 +33,41 @@ class _Buffer:
         self.ptr, self.nbytes = ptr, nbytes
 
 
+# Captures whose graphs the driver destroyed (its thread appends; the buffers are freed on a later call, since
+# the callback may not call CUDA).
+_destroyed: collections.deque = collections.deque()
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _graph_destroyed(capture_id):
+    _destroyed.append(capture_id or 0)
+
+
+class _Relaxed:
+    """This thread's stream-capture mode set to relaxed for a block: allocating and freeing device memory is then
+    allowed while some stream captures (the allocation is not part of the graph)."""
+
+    def __enter__(self):
+        self._mode = check(cu.cuThreadExchangeStreamCaptureMode(
+            cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+
+    def __exit__(self, *exc):
+        check(cu.cuThreadExchangeStreamCaptureMode(self._mode))
+
+
 class ScratchPool:
     def __init__(self):
         self._buffers: dict = {}  # (device, stream, slot, zeroed) -> _Buffer
         self._retired: list = []  # (device, ptr) outgrown buffers
+        self._graphs: dict = {}   # capture id -> (device, {(stream, slot, zeroed): _Buffer}, [every ptr])
+        self._zeroing: dict = {}  # device -> a private stream for zeroing graph buffers
         self._lock = threading.Lock()
 
     def acquire(self, device: int, stream: int, needs: tuple):
-        """Pointers for `needs`, a tuple of (slot, bytes, zeroed), on `stream`; and a function to call once the
-        launch that uses them is queued (None for eager calls). A zeroed buffer must be left zero by its user."""
+        """Pointers for `needs`, a tuple of (slot, bytes, zeroed), on `stream`. A zeroed buffer must be left zero
+        by its user."""
+        if _destroyed:
+            self._free_destroyed()
         if stream_is_capturing(stream):
             return self._in_graph(device, stream, needs)
         ptrs = []
@@ -46,7 +76,7 @@ class ScratchPool:
             if buf is None or buf.nbytes < nbytes:
                 buf = self._grow(device, stream, slot, nbytes, zeroed)
             ptrs.append(buf.ptr)
-        return ptrs, None
+        return ptrs
 
     def _grow(self, device: int, stream: int, slot: str, nbytes: int, zeroed: bool) -> _Buffer:
         key = (device, stream, slot, zeroed)
@@ -69,28 +99,71 @@ class ScratchPool:
                 self._retired.append((device, old.ptr))
             return buf
 
-    @staticmethod
-    def _in_graph(device: int, stream: int, needs: tuple):
+    def _in_graph(self, device: int, stream: int, needs: tuple) -> list:
         use_device(device)
-        ptrs = []
-
-        def release():
-            for p in ptrs:
-                check(cu.cuMemFreeAsync(p, stream))
-
         try:
-            for slot, nbytes, zeroed in needs:
-                size = max(nbytes, 4) + -max(nbytes, 4) % 4
-                ptrs.append(int(check(cu.cuMemAllocAsync(size, stream))))
-                if zeroed:
-                    check(cu.cuMemsetD32Async(ptrs[-1], 0, size // 4, stream))
+            _, capture_id, graph, *_ = check(cu.cuStreamGetCaptureInfo(stream))
+            capture_id = int(capture_id)
+            with self._lock:
+                entry = self._graphs.get(capture_id)
+                if entry is None:
+                    entry = self._adopt(device, stream, capture_id, graph)
+                ptrs = []
+                for slot, nbytes, zeroed in needs:
+                    buf = entry[1].get((stream, slot, zeroed))
+                    if buf is None or buf.nbytes < nbytes:  # (a smaller one stays: earlier nodes use it)
+                        buf = entry[1][(stream, slot, zeroed)] = self._graph_buffer(device, nbytes, zeroed, entry)
+                    ptrs.append(buf.ptr)
         except CudaError as e:
-            raise CudaError(f"scratch memory ({', '.join(n[0] for n in needs)}) could not be allocated inside the "
-                            f"CUDA graph being captured on stream 0x{stream:x}: {e}") from None
-        return ptrs, release
+            raise CudaError(f"scratch memory ({', '.join(n[0] for n in needs)}) for the CUDA graph being captured "
+                            f"on stream 0x{stream:x} could not be set up: {e}") from None
+        return ptrs
+
+    def _adopt(self, device: int, stream: int, capture_id: int, graph):
+        """A new graph: its buffer list, a user object that frees them once the graph is gone, and the memory
+        node pair that keeps it from being instantiated twice."""
+        obj = check(cu.cuUserObjectCreate(capture_id, cu.CUhostFn(ctypes.cast(_graph_destroyed, ctypes.c_void_p).value),
+                                          1, cu.CUuserObject_flags.CU_USER_OBJECT_NO_DESTRUCTOR_SYNC))
+        entry = self._graphs[capture_id] = (device, {}, [])
+        check(cu.cuGraphRetainUserObject(graph, obj, 1, cu.CUuserObjectRetain_flags.CU_GRAPH_USER_OBJECT_MOVE))
+        guard = int(check(cu.cuMemAllocAsync(256, stream)))
+        check(cu.cuMemFreeAsync(guard, stream))
+        return entry
+
+    def _graph_buffer(self, device: int, nbytes: int, zeroed: bool, entry) -> _Buffer:
+        size = max(nbytes, 4) + -max(nbytes, 4) % 256
+        with _Relaxed():
+            ptr = int(check(cu.cuMemAlloc(size)))
+            entry[2].append(ptr)
+            if zeroed:
+                zs = self._zeroing.get(device)
+                if zs is None:
+                    zs = self._zeroing[device] = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+                check(cu.cuMemsetD32Async(ptr, 0, size // 4, zs))
+                check(cu.cuStreamSynchronize(zs))
+        return _Buffer(ptr, size)
+
+    def _free_destroyed(self) -> None:
+        with self._lock:
+            dead = []
+            while _destroyed:
+                entry = self._graphs.pop(_destroyed.popleft(), None)
+                if entry is not None:
+                    dead.append(entry)
+        for device, _, ptrs in dead:
+            use_device(device)
+            with _Relaxed():
+                for p in ptrs:
+                    check(cu.cuMemFree(p))
+
+    def graph_buffers(self) -> int:
+        """How many graphs hold scratch buffers now (for tests)."""
+        return len(self._graphs)
 
     def release(self) -> None:
-        """Free every eager buffer (after the device finished the work that used them)."""
+        """Free every eager buffer (after the device finished the work that used them), and the buffers of
+        destroyed graphs."""
+        self._free_destroyed()
         with self._lock:
             buffers = [(d, b.ptr) for (d, *_), b in self._buffers.items()] + self._retired
             self._buffers, self._retired = {}, []
