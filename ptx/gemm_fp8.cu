@@ -261,7 +261,7 @@ struct Mainloop {
     const float sc[3][2] = {{sa0 * scale_b0, sa1 * scale_b0}, {sa0 * scale_b1, sa1 * scale_b1},
                             {sa0 * scale_b2, sa1 * scale_b2}};
     __syncwarp();  // every lane's sA is in registers (used above) before the stage goes back
-    if (lane == 0) ring.release(st.stage, rank);
+    ring.release_by_lane0(st.stage, rank, lane);
     promote<PART_N>(sb.first_next, acc, part[J], sc, 0);
     st.advance();
   }
@@ -345,9 +345,7 @@ struct Mainloop {
         fence_registers(part[0]);
         if constexpr (A_IN_REGS) fence_registers(a_frag);
         const bool last = u == SUBS * HALVES - 1;
-        if (!WGRAD && last) {
-          if (lane == 0) ring.release(st.stage, rank);  // sA was read above: the stage is done
-        }
+        if (!WGRAD && last) ring.release_by_lane0(st.stage, rank, lane);  // sA was read above: the stage is done
         float* a = acc[sub] + half * (PART_N / 2);
         if constexpr (WGRAD) {
 #pragma unroll
@@ -368,7 +366,7 @@ struct Mainloop {
         }
         if (WGRAD && last) {
           __syncwarp();
-          if (lane == 0) ring.release(st.stage, rank);
+          ring.release_by_lane0(st.stage, rank, lane);
         }
       }
       st.advance();

@@ -156,9 +156,9 @@ class ScratchPool:
                 for p in ptrs:
                     check(cu.cuMemFree(p))
 
-    def graph_buffers(self) -> int:
-        """How many graphs hold scratch buffers now (for tests)."""
-        return len(self._graphs)
+    def graph_captures(self) -> set:
+        """The capture ids of the graphs that hold scratch buffers now."""
+        return set(self._graphs)
 
     def release(self) -> None:
         """Free every eager buffer (after the device finished the work that used them), and the buffers of

@@ -80,6 +80,21 @@ struct StageRing {
     mbar_arrive(&empty[stage]);
     if constexpr (PAIRING != 0) mbar_arrive_cluster(&empty[stage], rank ^ 1);
   }
+
+  // release(stage) by lane 0 of the calling warp as predicated instructions. A branch around the arrivals kept
+  // ptxas from computing their addresses while the wgmma group they follow runs (FP8 256 x 128 tiles, H100:
+  // 11% slower).
+  __device__ __forceinline__ void release_by_lane0(int stage, u32 rank, int lane) const {
+    const u32 bar = smem_u32(&empty[stage]);
+    if constexpr (PAIRING != 0) {
+      asm volatile("{\n\t.reg .pred p;\n\tsetp.eq.s32 p, %2, 0;\n\t@p mbarrier.arrive.shared::cta.b64 _, [%0];\n\t"
+                   "@p mbarrier.arrive.shared::cluster.b64 _, [%1];\n\t}"
+                   :: "r"(bar), "r"(dsmem_addr(bar, rank ^ 1)), "r"(lane) : "memory");
+    } else {
+      asm volatile("{\n\t.reg .pred p;\n\tsetp.eq.s32 p, %1, 0;\n\t@p mbarrier.arrive.shared::cta.b64 _, [%0];\n\t}"
+                   :: "r"(bar), "r"(lane) : "memory");
+    }
+  }
 };
 
 // The set-up of a warp-specialised kernel: thread 0 prefetches the tensor maps (null ones are skipped), the ring's

@@ -27,9 +27,11 @@ __device__ __forceinline__ void fence_barrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
-__device__ __forceinline__ void mbar_arrive(u64* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_u32(bar)) : "memory");
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
 }
+
+__device__ __forceinline__ void mbar_arrive(u64* bar) { mbar_arrive(smem_u32(bar)); }
 
 // Arrive and announce `bytes` of TMA traffic that will complete on this barrier.
 __device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
@@ -150,18 +152,22 @@ __device__ __forceinline__ void cluster_sync() {
 }
 
 // Address of `p`'s counterpart in the shared memory of the cluster's CTA `rank` (possibly this one).
-__device__ __forceinline__ u32 dsmem_addr(const void* p, u32 rank) {
+__device__ __forceinline__ u32 dsmem_addr(u32 smem_addr, u32 rank) {
   u32 r;
-  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_u32(p)), "r"(rank));
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_addr), "r"(rank));
   return r;
 }
+
+__device__ __forceinline__ u32 dsmem_addr(const void* p, u32 rank) { return dsmem_addr(smem_u32(p), rank); }
 
 // Arrive on the barrier at the same shared offset as `bar` in the cluster's CTA `rank` (possibly this one).
 // CTA-scope release (the default): a cluster-scope release costs a MEMBAR per arrival (measured: half the stall
 // cycles of a multicast GEMM), and none is needed to free a stage whose reads (wgmma) have completed.
-__device__ __forceinline__ void mbar_arrive_cluster(u64* bar, u32 rank) {
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 rank) {
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(dsmem_addr(bar, rank)) : "memory");
 }
+
+__device__ __forceinline__ void mbar_arrive_cluster(u64* bar, u32 rank) { mbar_arrive_cluster(smem_u32(bar), rank); }
 
 // ---- inter-CTA signalling (split-K counters) --------------------------------------------------------------------
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
