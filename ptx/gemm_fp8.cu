@@ -261,7 +261,7 @@ struct Mainloop {
     const float sc[3][2] = {{sa0 * scale_b0, sa1 * scale_b0}, {sa0 * scale_b1, sa1 * scale_b1},
                             {sa0 * scale_b2, sa1 * scale_b2}};
     __syncwarp();  // every lane's sA is in registers (used above) before the stage goes back
-    ring.release_by_lane0(st.stage, rank, lane);
+    if (lane == 0) ring.release(st.stage, rank);  // (predicated arrivals measured 3% slower here: 64x32768x512)
     promote<PART_N>(sb.first_next, acc, part[J], sc, 0);
     st.advance();
   }
