@@ -44,3 +44,44 @@ def random_activations(rng: np.random.Generator, m: int, k: int, dtype) -> np.nd
     if m > 2:
         x[1] *= np.float32(1e-6)  # fp8 subnormals after scaling
     return x.astype(np.dtype(dtype))
+
+
+def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None, cu_seqlens_q=None,
+              cu_seqlens_k=None) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax attention in float64: (O [..., S_q, H_q, D] as float64, LSE [B, H_q, S_q] or [H_q, total_q]).
+
+    q [B, S_q, H_q, D], k and v [B, S_k, H_kv, D] (H_q a multiple of H_kv: query head h reads kv head
+    h // (H_q / H_kv)); or packed [total, H, D] with cu_seqlens_q / cu_seqlens_k ([B + 1] offsets). Causal masks
+    aligned bottom-right: query i of a sequence sees keys j <= i + S_k - S_q. A query that sees no key (causal with
+    S_q > S_k, or S_k = 0) gets O = 0 and LSE = -inf. LSE is the natural log of each row's sum of exp(scale * s)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    d = q.shape[-1]
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if cu_seqlens_q is None:
+        seqs = [(q[b], k[b], v[b]) for b in range(q.shape[0])]
+    else:
+        cq, ck = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+        seqs = [(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]) for b in range(len(cq) - 1)]
+    outs, lses = [], []
+    for qs, ks, vs in seqs:
+        sq, hq = qs.shape[0], qs.shape[1]
+        sk, hkv = ks.shape[0], ks.shape[1]
+        rep = hq // hkv
+        kh = np.repeat(ks, rep, axis=1)  # [S_k, H_q, D]
+        vh = np.repeat(vs, rep, axis=1)
+        s = np.einsum("qhd,khd->hqk", qs, kh) * scale  # [H_q, S_q, S_k]
+        if causal:
+            allowed = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+            s = np.where(allowed[None], s, -np.inf)
+        m = s.max(axis=-1, keepdims=True) if sk else np.full((hq, sq, 1), -np.inf)
+        m_safe = np.where(np.isfinite(m), m, 0.0)
+        p = np.exp(s - m_safe)
+        l = p.sum(axis=-1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            o = np.einsum("hqk,khd->qhd", np.where(l > 0, p / np.where(l > 0, l, 1), 0.0), vh)
+            lse = np.where(l[..., 0] > 0, np.log(np.where(l[..., 0] > 0, l[..., 0], 1)) + m_safe[..., 0], -np.inf)
+        outs.append(o)
+        lses.append(lse)  # [H_q, S_q]
+    if cu_seqlens_q is None:
+        return np.stack(outs), np.stack(lses)
+    return np.concatenate(outs, axis=0), np.concatenate(lses, axis=1)
