@@ -1,7 +1,10 @@
-"""The attention reference (CPU): the rules the kernel is checked against."""
+"""Attention on the CPU: the reference the kernel is checked against, the input rules, the tile budgets."""
 import numpy as np
+import pytest
 
 from cudart_kernels import reference as ref
+from cudart_kernels.ops import attention as attn
+from cudart_kernels.runtime.interop import as_array
 
 
 def _naive(q, k, v, causal, scale):
@@ -50,3 +53,71 @@ def test_reference_varlen_is_the_batched_reference_per_sequence():
         ob, lb = ref.attention(q[None, cq[b]:cq[b + 1]], k[None, ck[b]:ck[b + 1]], v[None, ck[b]:ck[b + 1]], True)
         np.testing.assert_allclose(o[cq[b]:cq[b + 1]], ob[0], atol=1e-12)
         np.testing.assert_array_equal(lse[:, cq[b]:cq[b + 1]], lb[0])
+
+
+# ---- input rules (device arrays described by pointer tuples) ----
+
+
+def _arr(shape, dtype="bfloat16", strides=None, ptr=1 << 20):
+    return as_array((ptr, shape, strides, dtype))
+
+
+def test_batched_and_packed_dims():
+    q, k = _arr((2, 100, 8, 128)), _arr((2, 300, 2, 128))
+    assert attn.check_inputs(q, k, k) == attn.Dims(2, 8, 2, 128, 100, 300, False)
+    # torch's [B, H, S, D] seen through a transpose: strides of [B, S, H, D] that are not row-major
+    qt = _arr((2, 100, 8, 64), strides=(8 * 100 * 64, 64, 100 * 64, 1))
+    assert attn.check_inputs(qt, qt, qt).head_dim == 64
+    cu = _arr((4,), "int32")
+    dims = attn.check_inputs(_arr((500, 8, 64)), _arr((700, 8, 64)), _arr((700, 8, 64)), cu, cu, 300, 400)
+    assert dims == attn.Dims(3, 8, 8, 64, 300, 400, True)
+
+
+@pytest.mark.parametrize("case,err,match", [
+    (lambda: attn.check_inputs(_arr((1, 8, 4, 80)), _arr((1, 8, 4, 80)), _arr((1, 8, 4, 80))), ValueError,
+     "head dim 80"),
+    (lambda: attn.check_inputs(_arr((1, 8, 6, 64)), _arr((1, 8, 4, 64)), _arr((1, 8, 4, 64))), ValueError,
+     "multiple of kv heads"),
+    (lambda: attn.check_inputs(_arr((1, 8, 4, 64)), _arr((1, 8, 4, 64), "float16"), _arr((1, 8, 4, 64))),
+     TypeError, "share a dtype"),
+    (lambda: attn.check_inputs(_arr((1, 8, 4, 64), "float32"), _arr((1, 8, 4, 64)), _arr((1, 8, 4, 64))),
+     TypeError, "not supported"),
+    (lambda: attn.check_inputs(_arr((1, 8, 4, 64)), _arr((1, 8, 4, 64)), _arr((1, 9, 4, 64))), ValueError,
+     "one shape"),
+    (lambda: attn.check_inputs(_arr((2, 8, 4, 64)), _arr((1, 8, 4, 64)), _arr((1, 8, 4, 64))), ValueError,
+     "batch"),
+    (lambda: attn.check_inputs(_arr((1, 8, 4, 64), strides=(8 * 4 * 68, 4 * 68, 68, 1)),
+                               _arr((1, 8, 4, 64)), _arr((1, 8, 4, 64))), ValueError, "multiple of 16 bytes"),
+    (lambda: attn.check_inputs(_arr((1, 8, 4, 64), ptr=(1 << 20) + 8), _arr((1, 8, 4, 64)), _arr((1, 8, 4, 64))),
+     ValueError, "aligned"),
+    (lambda: attn.check_inputs(_arr((10, 4, 64)), _arr((10, 4, 64)), _arr((10, 4, 64))), ValueError,
+     "cu_seqlens_q is required"),
+    (lambda: attn.check_inputs(_arr((10, 4, 64)), _arr((10, 4, 64)), _arr((10, 4, 64)), _arr((3,), "int32"),
+                               _arr((4,), "int32"), 5, 5), ValueError, "sequences"),
+    (lambda: attn.check_inputs(_arr((10, 4, 64)), _arr((10, 4, 64)), _arr((10, 4, 64)), _arr((3,), "int64"),
+                               _arr((3,), "int32"), 5, 5), TypeError, "cu_seqlens_q"),
+    (lambda: attn.check_inputs(_arr((10, 4, 64)), _arr((10, 4, 64)), _arr((10, 4, 64)), _arr((3,), "int32"),
+                               _arr((3,), "int32"), None, 5), ValueError, "max_seqlen_q"),
+    (lambda: attn.check_inputs(_arr((1, 8, 4, 64)), _arr((1, 8, 4, 64)), _arr((1, 8, 4, 64)),
+                               _arr((2,), "int32")), ValueError, "packed"),
+])
+def test_bad_input_raises_before_any_launch(case, err, match):
+    with pytest.raises(err, match=match):
+        case()
+
+
+def test_outputs_are_checked():
+    q = _arr((2, 100, 8, 64))
+    dims = attn.check_inputs(q, q, q)
+    attn.check_outputs(_arr((2, 100, 8, 64)), _arr((2, 8, 100), "float32"), q, dims)
+    with pytest.raises(ValueError, match="lse"):
+        attn.check_outputs(None, _arr((2, 100, 8), "float32"), q, dims)
+    with pytest.raises(TypeError, match="out"):
+        attn.check_outputs(_arr((2, 100, 8, 64), "float16"), None, q, dims)
+
+
+@pytest.mark.parametrize("d", attn.HEAD_DIMS)
+def test_default_tiles_fit_shared_memory_and_registers(d):
+    cfg = attn.pick_config(d)
+    assert cfg.smem <= attn.SMEM_BUDGET and cfg.bm % 64 == 0 and cfg.bn % 16 == 0
+    assert attn.consumer_registers(cfg.bn, d) <= 200  # of 240 a consumer thread, with room for addresses
