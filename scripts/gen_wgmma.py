@@ -41,44 +41,26 @@ def wrapper(n: int, ptx_type: str, name: str, k: int = 16, transposable: bool = 
     )
 
 
-def wrapper_rs(n: int) -> str:
-    """m64nNk32 e4m3 with A from registers (four 32-bit registers a thread: its rows' 4-byte K groups)."""
+def wrapper_rs(n: int, ptx_type: str = "e4m3", name: str = "WgE4m3", k: int = 32, transposable: bool = False) -> str:
+    """A from registers (four 32-bit registers a thread: its rows' 4-byte K groups, which for 16-bit inputs is the
+    accumulator fragment layout of m64nNk16, so a converted accumulator feeds it directly), B from shared memory:
+    e4m3 K-major, or bf16 / fp16 K-major or (TRANS_B = 1) MN-major."""
     regs = n // 2
     acc = ", ".join(f"%{i}" for i in range(regs))
     operands = _acc_operands(regs)
-    return (
-        f"template <> struct WgmmaRegA<WgE4m3, {n}> {{\n"
-        f"  __device__ __forceinline__ static void mma(float (&d)[{regs}], const u32 (&a)[4], u64 desc_b, u32 accumulate) {{\n"
-        f"    asm volatile(\n"
-        f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"\n'
-        f'        "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "\n'
-        f'        "{{{acc}}}, "\n'
-        f'        "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, p, 1, 1;\\n}}\\n"\n'
-        + "        : " + ",\n".join(operands).lstrip() + "\n"
-        + '        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));\n'
-        + "  }\n"
-        "};\n"
-    )
-
-
-def wrapper_rs16(n: int, ptx_type: str, name: str) -> str:
-    """m64nNk16 bf16 / fp16 with A from registers (four 32-bit registers a thread, each two 16-bit values: the
-    accumulator fragment layout of m64nNk16, so a converted accumulator feeds it directly) and B from shared memory,
-    K-major or (TRANS_B = 1) MN-major."""
-    regs = n // 2
-    acc = ", ".join(f"%{i}" for i in range(regs))
-    operands = _acc_operands(regs)
+    trans = f", %{regs + 6}" if transposable else ""
     return (
         f"template <> struct WgmmaRegA<{name}, {n}> {{\n"
-        f"  template <int TRANS_B>\n"
-        f"  __device__ __forceinline__ static void mma(float (&d)[{regs}], const u32 (&a)[4], u64 desc_b, u32 accumulate) {{\n"
+        + ("  template <int TRANS_B>\n" if transposable else "")
+        + f"  __device__ __forceinline__ static void mma(float (&d)[{regs}], const u32 (&a)[4], u64 desc_b, u32 accumulate) {{\n"
         f"    asm volatile(\n"
         f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n"\n'
-        f'        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "\n'
+        f'        "wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ptx_type}.{ptx_type} "\n'
         f'        "{{{acc}}}, "\n'
-        f'        "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, p, 1, 1, %{regs + 6};\\n}}\\n"\n'
+        f'        "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, p, 1, 1{trans};\\n}}\\n"\n'
         + "        : " + ",\n".join(operands).lstrip() + "\n"
-        + '        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate), "n"(TRANS_B));\n'
+        + '        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate)'
+        + (', "n"(TRANS_B));\n' if transposable else ");\n")
         + "  }\n"
         "};\n"
     )
@@ -105,8 +87,8 @@ def render() -> str:
     for n in range(8, 129, 8):
         parts.append(wrapper_rs(n))
     for n in range(8, 257, 8):
-        parts.append(wrapper_rs16(n, "bf16", "WgBf16"))
-        parts.append(wrapper_rs16(n, "f16", "WgFp16"))
+        parts.append(wrapper_rs(n, "bf16", "WgBf16", 16, transposable=True))
+        parts.append(wrapper_rs(n, "f16", "WgFp16", 16, transposable=True))
     return "\n".join(parts)
 
 
