@@ -122,10 +122,15 @@ class ScratchPool:
     def _adopt(self, device: int, stream: int, capture_id: int, graph):
         """A new graph: its buffer list, a user object that frees them once the graph is gone, and the memory
         node pair that keeps it from being instantiated twice."""
-        obj = check(cu.cuUserObjectCreate(capture_id, cu.CUhostFn(ctypes.cast(_graph_destroyed, ctypes.c_void_p).value),
-                                          1, cu.CUuserObject_flags.CU_USER_OBJECT_NO_DESTRUCTOR_SYNC))
+        destroy = cu.CUhostFn(ctypes.cast(_graph_destroyed, ctypes.c_void_p).value)
+        obj = check(cu.cuUserObjectCreate(capture_id, destroy, 1,
+                                          cu.CUuserObject_flags.CU_USER_OBJECT_NO_DESTRUCTOR_SYNC))
+        try:  # the graph takes over our reference
+            check(cu.cuGraphRetainUserObject(graph, obj, 1, cu.CUuserObjectRetain_flags.CU_GRAPH_USER_OBJECT_MOVE))
+        except CudaError:
+            cu.cuUserObjectRelease(obj, 1)
+            raise
         entry = self._graphs[capture_id] = (device, {}, [])
-        check(cu.cuGraphRetainUserObject(graph, obj, 1, cu.CUuserObjectRetain_flags.CU_GRAPH_USER_OBJECT_MOVE))
         guard = int(check(cu.cuMemAllocAsync(256, stream)))
         check(cu.cuMemFreeAsync(guard, stream))
         return entry
