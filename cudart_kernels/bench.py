@@ -508,5 +508,100 @@ def bench_gemm_fp8_grouped(quick: bool = False, device: int = 0) -> list[Row]:
     return out_rows
 
 
+# ---- attention -------------------------------------------------------------------------------------------------
+
+ATTN_TOKENS, ATTN_HIDDEN = 16384, 2048
+ATTN_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+
+
+def attention_flops(batch: int, heads: int, sq: int, sk: int, d: int, causal: bool) -> float:
+    """4 B H S_q S_k D, halved for causal (the square-mask convention of FlashAttention's benchmarks)."""
+    return 4 * batch * heads * sq * sk * d / (2 if causal else 1)
+
+
+def _sdpa(torch, backend):
+    """torch SDPA pinned to one backend, on [B, S, H, D] tensors (seen as [B, H, S, D] through a transpose)."""
+    from torch.nn.attention import sdpa_kernel
+    import torch.nn.functional as F
+
+    def run(q, k, v, causal, gqa=False):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=causal, enable_gqa=gqa)
+    return run
+
+
+def _varlen_lengths(total: int, longest: int, seed: int = 0) -> list[int]:
+    """Mixed sequence lengths in 1..longest summing to `total` (fixed seed: the same mix every run)."""
+    rng = np.random.default_rng(seed)
+    lens = []
+    while sum(lens) < total:
+        lens.append(int(min(total - sum(lens), rng.integers(1, longest + 1))))
+    return lens
+
+
+def bench_attention(quick: bool = False, device: int = 0) -> list[Row]:
+    """The forward grid of the attention issue (16384 tokens, hidden 2048, D 64 / 128 / 256, causal and not) against
+    cuDNN (torch SDPA, cuDNN backend) in the same graph-timed rounds, FA2 (SDPA flash backend) for context; GQA
+    32 / 8 at D 128, S 8192, causal; varlen (mixed lengths 1..8192, causal) against FA2's varlen entry."""
+    from torch.nn.attention import SDPBackend
+
+    from .ops.attention import attention
+
+    torch = torch_or_none()
+    if torch is None:
+        raise RuntimeError("bench --op attention needs torch for the cuDNN peer")
+    cudnn, fa2 = _sdpa(torch, SDPBackend.CUDNN_ATTENTION), _sdpa(torch, SDPBackend.FLASH_ATTENTION)
+    rows = []
+    grid = [(d, s, c) for d in (64, 128, 256) for c in (False, True) for s in ATTN_SEQLENS]
+    if quick:
+        grid = [(128, 4096, False), (128, 4096, True)]
+    cases = [(d, s, c, ATTN_HIDDEN // d, ATTN_HIDDEN // d) for d, s, c in grid]
+    if not quick:
+        cases.append((128, 8192, True, 32, 8))
+    for d, s, causal, hq, hkv in cases:
+        b = ATTN_TOKENS // s
+        mk = lambda h: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+        q, k, v, o = mk(hq), mk(hkv), mk(hkv), mk(hq)
+        gqa = hq != hkv
+        runs = [lambda i, st: cudnn(q, k, v, causal, gqa),
+                lambda i, st: attention(q, k, v, causal=causal, out=o, stream=st)]
+        peer, ours = graph_times_us(torch, runs, 1, iters=10)
+        try:
+            fa2_us = graph_time_us(torch, lambda i, st: fa2(q, k, v, causal, gqa), 1, iters=10)
+        except Exception:  # noqa: BLE001 (a backend that does not take the case: no context number)
+            fa2_us = 0.0
+        label = f"S {s} D {d}{' causal' if causal else ''}{f' GQA {hq}/{hkv}' if gqa else ''}"
+        fl = attention_flops(b, hq, s, s, d, causal)
+        rows.append(Row("attention", label, ours, tflops=fl / 1e12, peer="cuDNN", peer_us=peer,
+                        extra={"fa2_us": fa2_us, "fa2_tflops": fl / 1e12 / (fa2_us * 1e-6) if fa2_us else 0.0}))
+        q = k = v = o = None
+    if not quick:
+        rows += _bench_attention_varlen(torch, attention)
+    return rows
+
+
+def _bench_attention_varlen(torch, attention) -> list[Row]:
+    lens = _varlen_lengths(ATTN_TOKENS, 8192)
+    h, d = ATTN_HIDDEN // 128, 128
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device="cuda", dtype=torch.int32)
+    q, k, v, o = (torch.randn(ATTN_TOKENS, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    mx = max(lens)
+    ours_run = lambda i, st: attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,  # noqa: E731
+                                       max_seqlen_q=mx, max_seqlen_k=mx, out=o, stream=st)
+    fl = sum(attention_flops(1, h, n, n, d, True) for n in lens)
+
+    def fa2(i, st):
+        return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, mx, mx, 0.0, True, False)
+    try:
+        peer, ours = graph_times_us(torch, [fa2, ours_run], 1, iters=10)
+        name = "FA2 varlen"
+    except Exception:  # noqa: BLE001
+        ours, peer, name = graph_time_us(torch, ours_run, 1, iters=10), 0.0, ""
+    return [Row("attention", f"varlen {len(lens)} seqs 1..8192 (16384 tokens) D 128 causal", ours, tflops=fl / 1e12,
+                peer=name, peer_us=peer)]
+
+
 BENCHES = {"quant": bench_quant, "gemm": bench_gemm, "gemm_fp8": bench_gemm_fp8,
-           "gemm_fp8_grouped": bench_gemm_fp8_grouped, "host": bench_host}
+           "gemm_fp8_grouped": bench_gemm_fp8_grouped, "host": bench_host,
+           "attention": bench_attention}

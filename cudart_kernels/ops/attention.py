@@ -1,19 +1,31 @@
-"""Attention forward (FlashAttention-3 class), host side: input rules, tile configs and shared-memory budgets.
+"""Attention forward (FlashAttention-3 class): O = softmax(scale * Q K^T) V with the row log-sum-exp, batched
+[B, S, H, D] or packed variable-length [total, H, D] inputs, causal (bottom-right), GQA / MQA.
 
-The kernel (ptx/attention.cu, not built yet) is warp-specialized: a producer warpgroup loads a Q tile once and
-streams K and V tiles through a TMA + mbarrier ring; consumer warpgroups own 64 query rows each, compute S = Q K^T
-(SS-wgmma), the online softmax in registers, and O += P V with P from registers (RS-wgmma). This module holds what
-does not need the GPU: the validation every call runs before any launch, and the pure config functions.
+The kernel (ptx/attention.cu) is warp-specialized and persistent: a producer warpgroup loads a Q tile once and
+streams K and V tiles through TMA + mbarrier rings; consumer warpgroups own 64 query rows each, compute S = Q K^T
+(SS-wgmma), the online softmax in registers, and O += P V with P from registers (RS-wgmma), taking turns on the
+tensor cores (pingpong). This module validates every call before any launch, picks the tiles, builds the 4-d
+tensor maps and launches.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..runtime import dtypes as dt
-from ..runtime.interop import DeviceArray, require
+from ..runtime.driver import device_properties, stream_handle
+from ..runtime.interop import DeviceArray, as_arrays, require
+from ..runtime.launch import ArgsMemo, get_launcher
+from ..runtime.plans import PLANS
+from . import sm90
+from .sm90 import MapLayout
 
-HEAD_DIMS = (64, 96, 128, 192, 256)
+HEAD_DIMS = (64, 128, 192, 256)
+_KIND = {dt.bfloat16: "KIND_BF16", dt.float16: "KIND_FP16"}
+_ARGS = ("tmap", "tmap", "tmap", "tmap", "ptr", "i64", "i64", "ptr", "i64", "i64", "ptr", "ptr", "i32", "i32", "i32",
+         "i32", "i32", "f32")
+PANEL = 64  # head-dim columns of one 128-byte swizzled box
 _INPUTS = (dt.bfloat16, dt.float16)
 SMEM_BUDGET = 227 * 1024  # opt-in dynamic shared memory of an SM90 CTA
 
@@ -108,10 +120,11 @@ def check_outputs(out: DeviceArray | None, lse: DeviceArray | None, q: DeviceArr
 
 @dataclass(frozen=True)
 class AttnTuning:
-    """Starting points per head dim (query rows a CTA, keys a tile, ring stages), FlashAttention-3's published
-    tile shapes for the H100; to be fitted on the device."""
-    tiles: tuple = ((64, (192, 128, 2)), (96, (128, 128, 2)), (128, (128, 128, 2)), (192, (128, 96, 2)),
-                    (256, (128, 80, 2)))
+    """Tiles per head dim: (query rows a CTA = 64 x consumer warpgroups, keys a K / V tile, ring stages), from
+    FlashAttention-3's published H100 shapes (docs/tuning.md); pingpong: the consumers take turns on the tensor
+    cores."""
+    tiles: tuple = ((64, (192, 128, 2)), (128, (128, 128, 2)), (192, (128, 96, 2)), (256, (128, 80, 2)))
+    pingpong: bool = True
     pdl: bool = True
 
 
@@ -125,6 +138,7 @@ class AttnConfig:
     stages: int   # K and V tiles in flight
     head_dim: int
     smem: int
+    pingpong: bool = True
 
     @property
     def consumers(self) -> int:
@@ -136,9 +150,9 @@ class AttnConfig:
 
 
 def smem_bytes(bm: int, bn: int, d: int, stages: int, in_bytes: int = 2) -> int:
-    """Q tile (reused to stage O for its TMA store), the K and V rings, 2 x stages + 2 mbarriers, 1 KB of
-    alignment slack."""
-    return bm * d * in_bytes + 2 * stages * bn * d * in_bytes + (2 * stages + 2) * 8 + 1024
+    """Mirror of ptx/attention.cu: the Q tile (reused to stage O for its TMA store), the K and V rings, their
+    4 x stages mbarriers and the Q tile's two, 1 KB of alignment slack."""
+    return bm * d * in_bytes + 2 * stages * bn * d * in_bytes + 4 * stages * 8 + 16 + 1024
 
 
 def consumer_registers(bn: int, d: int) -> int:
@@ -151,4 +165,134 @@ def pick_config(d: int, tuning: AttnTuning = TUNING) -> AttnConfig:
     smem = smem_bytes(bm, bn, d, stages)
     if smem > SMEM_BUDGET:
         raise ValueError(f"attention tile {bm}x{bn}x{d} with {stages} stages needs {smem} bytes of shared memory")
-    return AttnConfig(bm, bn, stages, d, smem)
+    return AttnConfig(bm, bn, stages, d, smem, tuning.pingpong)
+
+
+def _defines(dtype, cfg: AttnConfig, causal: bool, varlen: bool) -> dict:
+    return {"IN_KIND": _KIND[dtype], "HEAD_DIM": cfg.head_dim, "BM": cfg.bm, "BN": cfg.bn, "STAGES": cfg.stages,
+            "CAUSAL": int(causal), "VARLEN": int(varlen), "PINGPONG": int(cfg.pingpong)}
+
+
+def variants():
+    """Every kernel variant: each head dim, causal or not, batched or varlen, bf16; fp16 at head dim 128."""
+    out = []
+    for d in HEAD_DIMS:
+        cfg = pick_config(d)
+        for dtype in (dt.bfloat16, dt.float16) if d == 128 else (dt.bfloat16,):
+            for causal in (False, True):
+                for varlen in (False, True):
+                    out.append(("attention.cu", "attention_fwd_kernel", _defines(dtype, cfg, causal, varlen),
+                                cfg.smem))
+    return out
+
+
+# ---- plans and launch -------------------------------------------------------------------------------------------
+
+def _map_layout(x: DeviceArray, varlen: bool, rows_box: int) -> MapLayout:
+    """(head dim, rows, heads, batch) with 128-byte boxes of 64 columns by `rows_box` rows. Packed inputs have one
+    batch; a dimension of one element gets a stride TMA accepts (its stride is never used)."""
+    it = x.dtype.itemsize
+    if varlen:
+        (rows, heads, d), (s_row, s_head, _) = x.shape, x.strides
+        batch, s_batch = 1, 0
+    else:
+        (batch, rows, heads, d), (s_batch, s_row, s_head, _) = x.shape, x.strides
+    strides = tuple(s * it if n > 1 else d * it for n, s in zip((rows, heads, batch), (s_row, s_head, s_batch)))
+    return MapLayout(x.dtype, (d, max(rows, 1), heads, batch), strides, (PANEL, rows_box, 1, 1), 128)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    cfg: AttnConfig
+    launch: object
+    grid: tuple
+    map_q: MapLayout
+    map_k: MapLayout
+    map_v: MapLayout
+    map_o: MapLayout
+    kv_from_q: bool  # no keys at all: K and V maps are never read, so Q's memory stands in for them
+    scalars: tuple   # o_row, o_head, lse_b, lse_h; then seqlen_q, seqlen_k, heads, batch, group, scale_log2
+    memo: ArgsMemo = field(default_factory=ArgsMemo, compare=False, repr=False)
+
+
+def _plan(qv, kv, vv, ov, lv, dims: Dims, causal: bool, scale: float, tuning: AttnTuning) -> _Plan:
+    cfg = pick_config(dims.head_dim, tuning)
+    props = device_properties(qv.device)
+    launch = get_launcher("attention.cu", "attention_fwd_kernel", _defines(qv.dtype, cfg, causal, dims.varlen),
+                          qv.device, _ARGS, (cfg.threads,), cfg.smem, pdl=tuning.pdl)
+    units = -(-dims.seqlen_q // cfg.bm) * dims.heads_q * dims.batch
+    grid = (max(1, min(units, props.sm_count)), 1, 1)
+    kv_from_q = kv.shape[-3] == 0
+    src_k, src_v = (qv, qv) if kv_from_q else (kv, vv)
+    if lv is None:
+        lse_b = lse_h = 0
+    elif dims.varlen:
+        lse_b, lse_h = 0, lv.strides[0]
+    else:
+        lse_b, lse_h = lv.strides[0], lv.strides[1]
+    o_row, o_head = ov.strides[-3], ov.strides[-2]
+    scalars = (o_row, o_head, lse_b, lse_h, dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.batch,
+               dims.heads_q // dims.heads_kv, scale * math.log2(math.e))
+    return _Plan(cfg, launch, grid, _map_layout(qv, dims.varlen, cfg.bm), _map_layout(src_k, dims.varlen, cfg.bn),
+                 _map_layout(src_v, dims.varlen, cfg.bn), _map_layout(ov, dims.varlen, 64), kv_from_q, scalars)
+
+
+def _args(plan: _Plan, q: int, k: int, v: int, o: int, lse: int, cu_q: int, cu_k: int) -> tuple:
+    maps = sm90.thread_maps()
+    if plan.kv_from_q:
+        k = v = q
+    o_row, o_head, lse_b, lse_h, *rest = plan.scalars
+    return (maps.get(plan.map_q, q), maps.get(plan.map_k, k), maps.get(plan.map_v, v), maps.get(plan.map_o, o), o,
+            o_row, o_head, lse, lse_b, lse_h, cu_q, cu_k, *rest)
+
+
+def _key(x: DeviceArray | None):
+    return None if x is None else sm90.array_key(x)
+
+
+def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, cu_seqlens_q=None,
+              cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+              return_lse: bool = False, out=None, lse=None, stream=None, tuning: AttnTuning | None = None):
+    """Attention forward: out = softmax(softmax_scale * q k^T) v per query head, fp32 accumulation.
+
+    q [B, S_q, H_q, D], k and v [B, S_k, H_kv, D] (bf16 or fp16, one dtype; D in 64, 128, 192, 256; H_q a multiple
+    of H_kv: GQA / MQA), or packed varlen q [total_q, H_q, D] and k, v [total_k, H_kv, D] with `cu_seqlens_q` /
+    `cu_seqlens_k` (int32 [B + 1] on the GPU, read by the kernel: no host sync) and `max_seqlen_q` /
+    `max_seqlen_k` (host ints, at least the longest sequence: the grid is sized from max_seqlen_q). Any strides
+    with a contiguous head dim and 16-byte aligned rows: a slice of a fused QKV tensor, or torch's [B, H, S, D]
+    seen through .transpose(1, 2), run without a copy. `causal` aligns the mask bottom-right (query i sees keys
+    j <= i + S_k - S_q); a query that sees no key gets out = 0 and lse = -inf. `softmax_scale` defaults to
+    1 / sqrt(D). With `return_lse` (or an `lse` given), the natural-log row log-sum-exp is written in fp32,
+    [B, H_q, S_q] (varlen [H_q, total_q]), and (out, lse) is returned; otherwise out. `out` / `lse` are allocated
+    when None (inside a CUDA graph capture, pass both). Runs on `stream`.
+    """
+    h = stream_handle(stream)
+    qv, kv, vv, ov, lv, cq, ck = as_arrays((q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), h)
+    dims = check_inputs(qv, kv, vv, cq, ck, max_seqlen_q, max_seqlen_k)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(dims.head_dim)
+    softmax_scale = float(softmax_scale)
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    check_outputs(ov, lv, qv, dims)
+    if ov is None:
+        ov = DeviceArray.empty(qv.shape, qv.dtype, qv.device, stream)
+    if lv is None and return_lse:
+        shape = (dims.heads_q, qv.shape[0]) if dims.varlen else (dims.batch, dims.heads_q, dims.seqlen_q)
+        lv = DeviceArray.empty(shape, dt.float32, qv.device, stream)
+    result = (ov if out is None else out, lv if lse is None else lse) if (return_lse or lse is not None) else (
+        ov if out is None else out)
+    if qv.size == 0 or dims.batch == 0 or dims.seqlen_q == 0:
+        return result
+    key = ("attention", _key(qv), _key(kv), _key(vv), _key(ov), _key(lv), _key(cq), dims, causal, softmax_scale,
+           tuning)
+    plan = PLANS.get(key)
+    if plan is None:
+        plan = PLANS.add(key, _plan(qv, kv, vv, ov, lv, dims, causal, softmax_scale, tuning or TUNING))
+    ptrs = (qv.ptr, kv.ptr, vv.ptr, ov.ptr, 0 if lv is None else lv.ptr, 0 if cq is None else cq.ptr,
+            0 if ck is None else ck.ptr)
+    args = plan.memo.get(ptrs)
+    if args is None:
+        args = plan.memo.add(ptrs, _args(plan, *ptrs))
+    plan.launch.run(plan.grid, h, args)
+    return result

@@ -109,6 +109,21 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap_st* map, const vo
                :: "l"(map), "r"(smem_u32(src)), "r"(c0), "r"(c1) : "memory");
 }
 
+// The 4-d forms (attention's (head dim, rows, heads, batch) maps): bounds apply per dimension, so a box of rows
+// past a sequence's end is zero-filled on load and clipped on store even when more heads or batches follow.
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap_st* map, u64* bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];"
+      :: "r"(smem_u32(dst)), "l"(map), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap_st* map, const void* src, int c0, int c1, int c2,
+                                             int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
+               :: "l"(map), "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+
 // global += shared, element-wise (fp32 add for fp32 maps), clipped like a store.
 __device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap_st* map, const void* src, int c0, int c1) {
   asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], [%1];"
