@@ -26,7 +26,7 @@
 // most keys), otherwise query blocks fastest, so that the CTAs of a wave share a head's K and V in L2.
 //
 // Compile-time parameters: IN_KIND (KIND_BF16 / KIND_FP16), HEAD_DIM (64, 128, 192, 256), BM (64 x consumers),
-// BN (keys per tile, a multiple of 16), STAGES, CAUSAL, VARLEN, PINGPONG.
+// BN (keys per tile, a multiple of 16), STAGES, CAUSAL, VARLEN, PINGPONG, O_BUFFER, DYNAMIC.
 #include "common/epilogue.cuh"
 #include "common/pipeline.cuh"
 #include "common/scheduler.cuh"
@@ -40,6 +40,9 @@
 #endif
 #ifndef PINGPONG
 #define PINGPONG 1
+#endif
+#ifndef DYNAMIC
+#define DYNAMIC (CAUSAL || VARLEN)
 #endif
 
 #if IN_KIND == KIND_BF16
@@ -75,11 +78,19 @@ constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 160 : CONSUMERS == 2 ? 232 : 256;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS * LAUNCH_REGS,
               "setmaxnreg beyond the CTA's register allocation");
 
-// Shared memory (from a 1024-byte aligned base): Q | K stages | V stages | K ring bars | V ring bars | Q bars.
-constexpr int SMEM_K = Q_BYTES;
+// O_BUFFER: O is staged in a tile of its own, so that the Q tile is free as soon as a unit's last Q K^T is done
+// and the next unit's Q loads under this one's last P V and epilogue (and the O store under the next unit's
+// work); without it (head dim 256: no room) O is staged in the Q tile, which the next unit's Q waits for.
+// Shared memory (from a 1024-byte aligned base): Q | O | K stages | V stages | K ring bars | V ring bars | Q bars.
+#ifndef O_BUFFER
+#define O_BUFFER 0
+#endif
+constexpr int SMEM_O = O_BUFFER ? Q_BYTES : 0;
+constexpr int SMEM_K = Q_BYTES + (O_BUFFER ? Q_BYTES : 0);
 constexpr int SMEM_V = SMEM_K + STAGES * KV_STAGE;
 constexpr int SMEM_BARS = SMEM_V + STAGES * KV_STAGE;
-constexpr int SMEM_BYTES = SMEM_BARS + 4 * STAGES * 8 + 16;
+constexpr int SMEM_UNITS = SMEM_BARS + 4 * STAGES * 8 + 16;  // DYNAMIC: 2 full + 2 empty barriers, 2 unit indices
+constexpr int SMEM_BYTES = SMEM_UNITS + 4 * 8 + 2 * 4;
 
 // Named barriers: 1 + c the consumer c's own (epilogue), 1 + CONSUMERS + c its turn to issue GEMMs (pingpong).
 constexpr int BAR_TURN = 1 + CONSUMERS;
@@ -110,24 +121,35 @@ struct AttnUnit {
   bool skip;              // the query block lies past the sequence
 };
 
+// Causal units run in chunks of `head_group` (batch, head) pairs whose K and V fit in L2 together: within a chunk
+// longest query blocks first, the chunk's heads side by side (so a wave's CTAs share K and V in L2 instead of each
+// streaming its own head's from DRAM), then the next chunk.
+// DYNAMIC (units of unequal length: causal, varlen): a CTA starts with unit blockIdx.x and then takes the next
+// unit from a global counter when its producer is ready for one, so that the long units first / short units last
+// order balances itself; the producer hands each unit index to the consumers through a two-slot ring in shared
+// memory. The last CTA to finish sets the counter back to zero for the next launch. Otherwise CTA i runs units
+// i, i + grid, i + 2 grid, ...
 struct AttnScheduler : PersistentUnits {
-  int m_blocks, heads, batch, seqlen_q, seqlen_k;
+  int m_blocks, heads, batch, seqlen_q, seqlen_k, head_group;
   const int* cu_q;
   const int* cu_k;
 
   __device__ __forceinline__ AttnScheduler(int m_blocks_, int heads_, int batch_, int seqlen_q_, int seqlen_k_,
-                                           const int* cu_q_, const int* cu_k_)
+                                           int head_group_, const int* cu_q_, const int* cu_k_)
       : PersistentUnits(m_blocks_ * heads_ * batch_, 1),
         m_blocks(m_blocks_), heads(heads_), batch(batch_), seqlen_q(seqlen_q_), seqlen_k(seqlen_k_),
-        cu_q(cu_q_), cu_k(cu_k_) {}
+        head_group(head_group_), cu_q(cu_q_), cu_k(cu_k_) {}
 
   __device__ __forceinline__ AttnUnit unit(int u) const {
     AttnUnit t;
-    if (CAUSAL) {  // longest first: the last query blocks of every (batch, head), heads of a batch together
-      t.mb = m_blocks - 1 - u / (heads * batch);
-      const int rest = u % (heads * batch);
-      t.b = rest / heads;
-      t.h = rest % heads;
+    if (CAUSAL) {
+      const int per_chunk = head_group * m_blocks;
+      const int chunk = u / per_chunk, r = u - chunk * per_chunk;
+      const int first = chunk * head_group, size = min(head_group, heads * batch - first);
+      t.mb = m_blocks - 1 - r / size;
+      const int bh = first + r % size;
+      t.b = bh / heads;
+      t.h = bh % heads;
     } else {       // a head's query blocks together: they read the same K and V
       t.mb = u % m_blocks;
       const int rest = u / m_blocks;
@@ -256,16 +278,20 @@ __device__ __forceinline__ void turn_pass(int c) {
 // O's map with box {64, 64, 1, 1}. o / o_row / o_head: O for the varlen row-by-row stores (element strides).
 // lse (or null): fp32, element (b, h, row) at b * lse_b + h * lse_h + q_off + row. cu_q / cu_k: varlen offsets
 // [batch + 1] (VARLEN). seqlen_q / seqlen_k: the lengths (varlen: the longest, for m_blocks); group: query heads
-// per kv head. scale_log2: softmax scale * log2(e).
+// per kv head; head_group: (batch, head) pairs per causal chunk (AttnScheduler). scale_log2: softmax scale * log2(e).
+// unit_counter (DYNAMIC): two ints, zero between launches.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
     const __grid_constant__ CUtensorMap_st tm_q, const __grid_constant__ CUtensorMap_st tm_k,
     const __grid_constant__ CUtensorMap_st tm_v, const __grid_constant__ CUtensorMap_st tm_o, void* o, i64 o_row,
     i64 o_head, float* lse, i64 lse_b, i64 lse_h, const int* cu_q, const int* cu_k, int seqlen_q, int seqlen_k,
-    int heads, int batch, int group, float scale_log2) {
+    int heads, int batch, int group, int head_group, float scale_log2, int* unit_counter) {
   u8* smem = smem_aligned_1024();
   const Ring k_ring(smem + SMEM_BARS), v_ring(smem + SMEM_BARS + 2 * STAGES * 8);
   u64* q_full = reinterpret_cast<u64*>(smem + SMEM_BARS + 4 * STAGES * 8);
   u64* q_empty = q_full + 1;
+  u64* unit_full = reinterpret_cast<u64*>(smem + SMEM_UNITS);  // [2], then unit_empty [2], then the indices [2]
+  u64* unit_empty = unit_full + 2;
+  volatile int* unit_slot = reinterpret_cast<volatile int*>(unit_full + 4);
   const int wg = warpgroup_index();
   const int tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
@@ -280,7 +306,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
       mbar_init(&v_ring.empty[s], CONSUMERS * 4);
     }
     mbar_init(q_full, 1);
-    mbar_init(q_empty, CONSUMERS);
+    mbar_init(q_empty, O_BUFFER ? CONSUMERS * 4 : CONSUMERS);  // (O_BUFFER: each consumer warp)
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(&unit_full[i], 1);
+      mbar_init(&unit_empty[i], CONSUMERS * 4);
+    }
     fence_barrier_init();
   }
   __syncthreads();
@@ -290,7 +320,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
     regs_decrease<PRODUCER_REGS>();
     if (tid != 0) return;
     // (each role builds its own scheduler: values live across setmaxnreg were spilled)
-    const AttnScheduler sched((seqlen_q + BM - 1) / BM, heads, batch, seqlen_q, seqlen_k, cu_q, cu_k);
+    const AttnScheduler sched((seqlen_q + BM - 1) / BM, heads, batch, seqlen_q, seqlen_k, head_group, cu_q, cu_k);
     Pipe st;
     u32 q_phase = 0;
     const auto load_q = [&](const AttnUnit& t, u32& phase) {
@@ -301,8 +331,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
         tma_load_4d(smem + p * Q_PANEL, &tm_q, q_full, p * PANEL_COLS, t.q_off + t.mb * BM, t.h, t.map_b);
       phase ^= 1;
     };
-    for (int u = sched.first; sched.more(u); u = sched.next(u)) {
+    for (int k = 0, u = sched.first;; ++k) {
+      int next = u + sched.step;
+      if (DYNAMIC) {  // publish this unit to the consumers; ask for the next one now, its reply comes under the loads
+        mbar_wait(&unit_empty[k & 1], ((k >> 1) & 1) ^ 1);
+        unit_slot[k & 1] = u;
+        mbar_arrive(&unit_full[k & 1]);
+        if (sched.more(u)) next = sched.step + atomicAdd(unit_counter, 1);
+      }
+      if (!sched.more(u)) break;
       const AttnUnit t = sched.unit(u);
+      u = next;
       if (t.skip) continue;
       const int hkv = t.h / group;
       // The unit's first K tile goes out before the wait for the Q tile (free once the previous unit's O stores
@@ -323,13 +362,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
       }
       if (t.blocks == 0) load_q(t, q_phase);  // (the consumers still meet on the Q barriers)
     }
+    if (DYNAMIC) {  // the last CTA out resets the counters (every CTA has taken its last index before it counts)
+      fence_acq_rel_gpu();
+      if (atomicAdd(unit_counter + 1, 1) == int(gridDim.x) - 1) {
+        unit_counter[0] = 0;
+        unit_counter[1] = 0;
+      }
+    }
     pdl_launch_dependents();
     return;
   }
 
   // ---- consumers: consumer c owns query rows 64 c .. 64 c + 63 of every tile ----
   regs_increase<CONSUMER_REGS>();
-  const AttnScheduler sched((seqlen_q + BM - 1) / BM, heads, batch, seqlen_q, seqlen_k, cu_q, cu_k);
+  const AttnScheduler sched((seqlen_q + BM - 1) / BM, heads, batch, seqlen_q, seqlen_k, head_group, cu_q, cu_k);
   const int c = wg - 1;
   const int warp = tid / 32, lane = tid % 32;
   const int frag_row = warp * 16 + lane / 4;  // the thread's first row within the consumer's 64
@@ -341,7 +387,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
   float o_acc[O_ACC];
   float s[S_ACC];
   u32 p[P_STEPS][4];
-  for (int u = sched.first; sched.more(u); u = sched.next(u)) {
+  for (int k = 0, u = sched.first;; ++k, u += sched.step) {
+    if (DYNAMIC) {
+      mbar_wait(&unit_full[k & 1], (k >> 1) & 1);
+      u = warp_uniform(unit_slot[k & 1]);
+      mbar_arrive_by_lane0(smem_u32(&unit_empty[k & 1]), lane);
+    }
+    if (!sched.more(u)) break;
     const AttnUnit t = sched.unit(u);
     if (t.skip) continue;
     const int row0 = t.mb * BM + c * 64;  // the consumer's first row in the sequence
@@ -354,6 +406,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
     if (CAUSAL) unmasked = min(unmasked, max(0, (row0 + t.sk - t.sq + 1) / BN));
     mbar_wait(q_full, q_phase);
     q_phase ^= 1;
+    if (O_BUFFER && t.blocks == 0) mbar_arrive_by_lane0(smem_u32(q_empty), lane);
     if (t.blocks > 0) {
       int j = t.blocks - 1;
       k_ring.wait(st);
@@ -365,6 +418,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
       wgmma_wait<0>();
       fence_registers(s);
       k_ring.release_by_lane0(st.stage, 0, lane);
+      if (O_BUFFER && j == 0) mbar_arrive_by_lane0(smem_u32(q_empty), lane);
       if (j >= unmasked) mask_block(s, j, row, t.sq, t.sk, lane);
       softmax_block<true>(s, m, l, alpha, scale_log2);
       to_fragments(p, s);
@@ -383,6 +437,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
         wgmma_wait<1>();  // S is ready; P V still runs under the softmax
         fence_registers(s);
         k_ring.release_by_lane0(st.stage, 0, lane);
+        if (O_BUFFER && j == 0) mbar_arrive_by_lane0(smem_u32(q_empty), lane);
         if (j >= unmasked) mask_block(s, j, row, t.sq, t.sk, lane);
         softmax_block<false>(s, m, l, alpha, scale_log2);
         wgmma_wait<0>();
@@ -412,7 +467,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
     asm volatile("" : "+r"(again));
     const AttnUnit te = sched.unit(again);
     const int row_e = te.mb * BM + c * 64 + frag_row;
-    u8* o_rows = opaque(q_rows);
+    u8* o_rows = opaque(q_rows + SMEM_O);
     float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -425,7 +480,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
             sum > 0.f ? (m[h] + __log2f(sum)) * 0.6931471805599453f : NEG_INF;
     }
     scale_rows(o_acc, inv);
-    named_barrier(1 + c, 128);  // every warp's wgmma reads of the Q rows are done
+    // O_BUFFER: the previous unit's O store has read the buffer; otherwise: every warp's wgmma reads of the Q
+    // rows are done (the next unit's Q waits for q_empty below)
+    if (O_BUFFER && tid == 0) bulk_wait_read<0>();
+    named_barrier(1 + c, 128);
 #pragma unroll
     for (int pn = 0; pn < PANELS; ++pn) {
       stmatrix_chunk<PANEL_COLS>(o_acc, pn, o_rows + pn * Q_PANEL, warp, lane,
@@ -453,11 +511,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
         }
       }
     }
-    if (tid == 0) {
-      bulk_wait_read<0>();
+    if (!O_BUFFER) {  // the Q tile goes back to the producer once the O stores (and row copies) have read it
+      if (tid == 0) bulk_wait_read<0>();
+      named_barrier(1 + c, 128);
+      if (tid == 0) mbar_arrive(q_empty);
     }
-    named_barrier(1 + c, 128);  // (the row-by-row stores are done reading too)
-    if (tid == 0) mbar_arrive(q_empty);
   }
   if (PINGPONG && CONSUMERS > 1 && c == 0) turn_wait(c);  // the last turn handed round
   epilogue_drain(tid);

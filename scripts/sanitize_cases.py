@@ -137,3 +137,28 @@ for mode in (g.MCAST_NONE, g.MCAST_SHARE_A):
     ck.gemm_fp8_wgrad(qa_t, sa_t, qb_t, sb_t, dw, [256, 128], tuning=t)
     assert np.isfinite(dw.numpy()).all()
 print("gemm_fp8 grouped sanitize cases ran")
+
+# Attention: a causal varlen case per head dim (empty and length-1 sequences, tails, GQA, S_q != S_k), checked
+# against the float64 reference, plus one batched non-causal case.
+from cudart_kernels import reference as attn_ref  # noqa: E402  (`ref` above is a GEMM result)
+from cudart_kernels.ops import attention as at  # noqa: E402
+
+lens_q, lens_k = [0, 1, 70, 130], [3, 1, 90, 129]
+cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+ckv = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+for d in at.HEAD_DIMS:
+    xq = rng.standard_normal((cq[-1], 4, d)).astype(ck.bfloat16.numpy)
+    xk = rng.standard_normal((ckv[-1], 2, d)).astype(ck.bfloat16.numpy)
+    xv = rng.standard_normal((ckv[-1], 2, d)).astype(ck.bfloat16.numpy)
+    o, lse = ck.attention(DeviceArray.from_numpy(xq), DeviceArray.from_numpy(xk), DeviceArray.from_numpy(xv),
+                          causal=True, cu_seqlens_q=DeviceArray.from_numpy(cq),
+                          cu_seqlens_k=DeviceArray.from_numpy(ckv), max_seqlen_q=max(lens_q),
+                          max_seqlen_k=max(lens_k), return_lse=True)
+    want, _ = attn_ref.attention(xq, xk, xv, True, None, cq, ckv)
+    got = o.numpy().astype(np.float64)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2, d
+xb = rng.standard_normal((2, 77, 2, 128)).astype(ck.bfloat16.numpy)
+o = ck.attention(DeviceArray.from_numpy(xb), DeviceArray.from_numpy(xb), DeviceArray.from_numpy(xb))
+want, _ = attn_ref.attention(xb, xb, xb)
+assert np.linalg.norm(o.numpy().astype(np.float64) - want) / np.linalg.norm(want) < 1e-2
+print("attention sanitize cases ran")

@@ -341,3 +341,43 @@ def test_graph_scratch_is_the_graphs_own_and_freed_with_it():
             break
         time.sleep(0.01)
     assert not ours & SCRATCH.graph_captures()
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_attention(varlen):
+    """Causal and varlen attention hand units out through a counter in scratch memory (zeroed once, reset by the
+    kernel): every replay must see it at zero again."""
+    torch = _torch()
+    h, hkv, d = 4, 2, 128
+    if varlen:
+        lens = [300, 1, 0, 517]
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device="cuda", dtype=torch.int32)
+        q, k, v = (_bf16(torch, sum(lens), n, d) for n in (h, hkv, hkv))
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+        lse = torch.empty(h, sum(lens), device="cuda")
+    else:
+        q, k, v = (_bf16(torch, 2, 700, n, d) for n in (h, hkv, hkv))
+        kw = {}
+        lse = torch.empty(2, h, 700, device="cuda")
+    out = torch.empty_like(q)
+
+    def run(stream):
+        ck.attention(q, k, v, causal=True, out=out, lse=lse, stream=stream, **kw)
+
+    def refill():
+        for x in (q, k, v):
+            x.copy_(torch.randn_like(x, dtype=torch.float32) * 0.5)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+
+    def check():
+        cu_np = None if not varlen else kw["cu_seqlens_q"].cpu().numpy()
+        o_ref, lse_ref = ref.attention(q.float().cpu().numpy(), k.float().cpu().numpy(), v.float().cpu().numpy(),
+                                       True, None, cu_np, cu_np)
+        got = out.double().cpu().numpy()
+        assert np.isfinite(got).all()
+        assert np.linalg.norm(got - o_ref) / np.linalg.norm(o_ref) < 1e-2
+        fin = np.isfinite(lse_ref)
+        assert np.abs(lse.cpu().numpy()[fin] - lse_ref[fin]).max() < 1e-3
+
+    _capture_and_replay(torch, run, refill, check, replays=3)

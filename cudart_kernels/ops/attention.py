@@ -18,13 +18,14 @@ from ..runtime.driver import device_properties, stream_handle
 from ..runtime.interop import DeviceArray, as_arrays, require
 from ..runtime.launch import ArgsMemo, get_launcher
 from ..runtime.plans import PLANS
+from ..runtime.scratch import SCRATCH
 from . import sm90
 from .sm90 import MapLayout
 
 HEAD_DIMS = (64, 128, 192, 256)
 _KIND = {dt.bfloat16: "KIND_BF16", dt.float16: "KIND_FP16"}
 _ARGS = ("tmap", "tmap", "tmap", "tmap", "ptr", "i64", "i64", "ptr", "i64", "i64", "ptr", "ptr", "i32", "i32", "i32",
-         "i32", "i32", "f32")
+         "i32", "i32", "i32", "f32", "ptr")
 PANEL = 64  # head-dim columns of one 128-byte swizzled box
 _INPUTS = (dt.bfloat16, dt.float16)
 SMEM_BUDGET = 227 * 1024  # opt-in dynamic shared memory of an SM90 CTA
@@ -121,10 +122,15 @@ def check_outputs(out: DeviceArray | None, lse: DeviceArray | None, q: DeviceArr
 @dataclass(frozen=True)
 class AttnTuning:
     """Tiles per head dim: (query rows a CTA = 64 x consumer warpgroups, keys a K / V tile, ring stages), from
-    FlashAttention-3's published H100 shapes (docs/tuning.md); pingpong: the consumers take turns on the tensor
-    cores."""
+    FlashAttention-3's published H100 shapes (docs/tuning.md), and where non-causal attention runs better with
+    others, those; pingpong: the consumers take turns on the tensor cores; o_buffer: O gets a shared-memory tile
+    of its own wherever it fits (ptx/attention.cu O_BUFFER)."""
     tiles: tuple = ((64, (192, 128, 2)), (128, (128, 128, 2)), (192, (128, 96, 2)), (256, (128, 80, 2)))
+    noncausal_tiles: tuple = ()
     pingpong: bool = True
+    o_buffer: bool = True
+    # causal units run in chunks of (batch, head) pairs whose K and V together take about this much L2
+    causal_l2_bytes: int = 32 << 20
     pdl: bool = True
 
 
@@ -139,6 +145,7 @@ class AttnConfig:
     head_dim: int
     smem: int
     pingpong: bool = True
+    o_buffer: bool = False
 
     @property
     def consumers(self) -> int:
@@ -149,10 +156,11 @@ class AttnConfig:
         return 128 * (self.consumers + 1)
 
 
-def smem_bytes(bm: int, bn: int, d: int, stages: int, in_bytes: int = 2) -> int:
-    """Mirror of ptx/attention.cu: the Q tile (reused to stage O for its TMA store), the K and V rings, their
-    4 x stages mbarriers and the Q tile's two, 1 KB of alignment slack."""
-    return bm * d * in_bytes + 2 * stages * bn * d * in_bytes + 4 * stages * 8 + 16 + 1024
+def smem_bytes(bm: int, bn: int, d: int, stages: int, o_buffer: bool = False, in_bytes: int = 2) -> int:
+    """Mirror of ptx/attention.cu: the Q tile, O's own tile (else O is staged in the Q tile), the K and V rings,
+    their 4 x stages mbarriers and the Q tile's two, 1 KB of alignment slack."""
+    return ((2 if o_buffer else 1) * bm * d * in_bytes + 2 * stages * bn * d * in_bytes + 4 * stages * 8 + 16
+            + 1024)
 
 
 def consumer_registers(bn: int, d: int) -> int:
@@ -160,26 +168,28 @@ def consumer_registers(bn: int, d: int) -> int:
     return bn // 2 + d // 2 + bn // 4
 
 
-def pick_config(d: int, tuning: AttnTuning = TUNING) -> AttnConfig:
-    bm, bn, stages = dict(tuning.tiles)[d]
-    smem = smem_bytes(bm, bn, d, stages)
+def pick_config(d: int, causal: bool = False, tuning: AttnTuning = TUNING) -> AttnConfig:
+    bm, bn, stages = dict(() if causal else tuning.noncausal_tiles).get(d) or dict(tuning.tiles)[d]
+    o_buffer = tuning.o_buffer and smem_bytes(bm, bn, d, stages, True) <= SMEM_BUDGET
+    smem = smem_bytes(bm, bn, d, stages, o_buffer)
     if smem > SMEM_BUDGET:
         raise ValueError(f"attention tile {bm}x{bn}x{d} with {stages} stages needs {smem} bytes of shared memory")
-    return AttnConfig(bm, bn, stages, d, smem, tuning.pingpong)
+    return AttnConfig(bm, bn, stages, d, smem, tuning.pingpong, o_buffer)
 
 
 def _defines(dtype, cfg: AttnConfig, causal: bool, varlen: bool) -> dict:
     return {"IN_KIND": _KIND[dtype], "HEAD_DIM": cfg.head_dim, "BM": cfg.bm, "BN": cfg.bn, "STAGES": cfg.stages,
-            "CAUSAL": int(causal), "VARLEN": int(varlen), "PINGPONG": int(cfg.pingpong)}
+            "CAUSAL": int(causal), "VARLEN": int(varlen), "PINGPONG": int(cfg.pingpong),
+            "O_BUFFER": int(cfg.o_buffer)}
 
 
 def variants():
     """Every kernel variant: each head dim, causal or not, batched or varlen, bf16; fp16 at head dim 128."""
     out = []
     for d in HEAD_DIMS:
-        cfg = pick_config(d)
         for dtype in (dt.bfloat16, dt.float16) if d == 128 else (dt.bfloat16,):
             for causal in (False, True):
+                cfg = pick_config(d, causal)
                 for varlen in (False, True):
                     out.append(("attention.cu", "attention_fwd_kernel", _defines(dtype, cfg, causal, varlen),
                                 cfg.smem))
@@ -211,12 +221,14 @@ class _Plan:
     map_v: MapLayout
     map_o: MapLayout
     kv_from_q: bool  # no keys at all: K and V maps are never read, so Q's memory stands in for them
-    scalars: tuple   # o_row, o_head, lse_b, lse_h; then seqlen_q, seqlen_k, heads, batch, group, scale_log2
+    scalars: tuple   # o_row, o_head, lse_b, lse_h; then seqlen_q, seqlen_k, heads, batch, group, head_group,
+    #                  scale_log2
+    scratch: tuple   # units of unequal length (causal, varlen) are handed out by a counter: its scratch slot
     memo: ArgsMemo = field(default_factory=ArgsMemo, compare=False, repr=False)
 
 
 def _plan(qv, kv, vv, ov, lv, dims: Dims, causal: bool, scale: float, tuning: AttnTuning) -> _Plan:
-    cfg = pick_config(dims.head_dim, tuning)
+    cfg = pick_config(dims.head_dim, causal, tuning)
     props = device_properties(qv.device)
     launch = get_launcher("attention.cu", "attention_fwd_kernel", _defines(qv.dtype, cfg, causal, dims.varlen),
                           qv.device, _ARGS, (cfg.threads,), cfg.smem, pdl=tuning.pdl)
@@ -231,19 +243,29 @@ def _plan(qv, kv, vv, ov, lv, dims: Dims, causal: bool, scale: float, tuning: At
     else:
         lse_b, lse_h = lv.strides[0], lv.strides[1]
     o_row, o_head = ov.strides[-3], ov.strides[-2]
-    scalars = (o_row, o_head, lse_b, lse_h, dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.batch,
-               dims.heads_q // dims.heads_kv, scale * math.log2(math.e))
+    group = dims.heads_q // dims.heads_kv
+    scalars = (o_row, o_head, lse_b, lse_h, dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.batch, group,
+               causal_head_group(dims, tuning), scale * math.log2(math.e))
+    scratch = (("attention_units", 8, True),) if causal or dims.varlen else ()
     return _Plan(cfg, launch, grid, _map_layout(qv, dims.varlen, cfg.bm), _map_layout(src_k, dims.varlen, cfg.bn),
-                 _map_layout(src_v, dims.varlen, cfg.bn), _map_layout(ov, dims.varlen, 64), kv_from_q, scalars)
+                 _map_layout(src_v, dims.varlen, cfg.bn), _map_layout(ov, dims.varlen, 64), kv_from_q, scalars,
+                 scratch)
 
 
-def _args(plan: _Plan, q: int, k: int, v: int, o: int, lse: int, cu_q: int, cu_k: int) -> tuple:
+def causal_head_group(dims: Dims, tuning: AttnTuning = TUNING) -> int:
+    """(batch, head) pairs per causal chunk: as many query heads as share causal_l2_bytes of K and V (a kv head's
+    K and V serve `group` query heads)."""
+    per_q_head = 2 * max(dims.seqlen_k, 1) * dims.head_dim * 2 / (dims.heads_q // dims.heads_kv)
+    return max(1, min(dims.heads_q * dims.batch, int(tuning.causal_l2_bytes // per_q_head)))
+
+
+def _args(plan: _Plan, q: int, k: int, v: int, o: int, lse: int, cu_q: int, cu_k: int, counter: int) -> tuple:
     maps = sm90.thread_maps()
     if plan.kv_from_q:
         k = v = q
     o_row, o_head, lse_b, lse_h, *rest = plan.scalars
     return (maps.get(plan.map_q, q), maps.get(plan.map_k, k), maps.get(plan.map_v, v), maps.get(plan.map_o, o), o,
-            o_row, o_head, lse, lse_b, lse_h, cu_q, cu_k, *rest)
+            o_row, o_head, lse, lse_b, lse_h, cu_q, cu_k, *rest, counter)
 
 
 def _key(x: DeviceArray | None):
@@ -289,8 +311,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     plan = PLANS.get(key)
     if plan is None:
         plan = PLANS.add(key, _plan(qv, kv, vv, ov, lv, dims, causal, softmax_scale, tuning or TUNING))
+    counter = SCRATCH.acquire(qv.device, h, plan.scratch)[0] if plan.scratch else 0
     ptrs = (qv.ptr, kv.ptr, vv.ptr, ov.ptr, 0 if lv is None else lv.ptr, 0 if cq is None else cq.ptr,
-            0 if ck is None else ck.ptr)
+            0 if ck is None else ck.ptr, counter)
     args = plan.memo.get(ptrs)
     if args is None:
         args = plan.memo.add(ptrs, _args(plan, *ptrs))

@@ -91,8 +91,7 @@ struct StageRing {
                    "@p mbarrier.arrive.shared::cluster.b64 _, [%1];\n\t}"
                    :: "r"(bar), "r"(dsmem_addr(bar, rank ^ 1)), "r"(lane) : "memory");
     } else {
-      asm volatile("{\n\t.reg .pred p;\n\tsetp.eq.s32 p, %1, 0;\n\t@p mbarrier.arrive.shared::cta.b64 _, [%0];\n\t}"
-                   :: "r"(bar), "r"(lane) : "memory");
+      mbar_arrive_by_lane0(bar, lane);
     }
   }
 };

@@ -33,6 +33,13 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 
 __device__ __forceinline__ void mbar_arrive(u64* bar) { mbar_arrive(smem_u32(bar)); }
 
+// Lane 0 of the calling warp arrives, as a predicated instruction (no branch: ptxas then computes the address while
+// earlier work, a wgmma group, still runs; see StageRing::release_by_lane0).
+__device__ __forceinline__ void mbar_arrive_by_lane0(u32 bar, int lane) {
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.eq.s32 p, %1, 0;\n\t@p mbarrier.arrive.shared::cta.b64 _, [%0];\n\t}"
+               :: "r"(bar), "r"(lane) : "memory");
+}
+
 // Arrive and announce `bytes` of TMA traffic that will complete on this barrier.
 __device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_u32(bar)), "r"(bytes)
