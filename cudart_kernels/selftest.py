@@ -159,10 +159,48 @@ def grouped_fp8_cases():
             for kind in ("contiguous", "masked", "wgrad")]
 
 
+def _attention_case(rng, d, causal, varlen):
+    from .ops.attention import attention
+    from .reference import attention as ref_attention
+    import ml_dtypes
+
+    def rand(shape):
+        return rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+
+    if varlen:
+        lens_q, lens_k = [0, 1, 300, 129], [5, 1, 400, 129]
+        cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+        ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+        q, k, v = rand((cq[-1], 8, d)), rand((ck[-1], 2, d)), rand((ck[-1], 2, d))
+        kw = dict(cu_seqlens_q=DeviceArray.from_numpy(cq), cu_seqlens_k=DeviceArray.from_numpy(ck),
+                  max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+        ref_o, ref_lse = ref_attention(q, k, v, causal, None, cq, ck)
+    else:
+        q, k, v = rand((2, 257, 8, d)), rand((2, 1000, 2, d)), rand((2, 1000, 2, d))
+        kw = {}
+        ref_o, ref_lse = ref_attention(q, k, v, causal)
+    out = DeviceArray.empty(q.shape, "bfloat16").fill_bytes(0xFF)
+    _, lse = attention(DeviceArray.from_numpy(q), DeviceArray.from_numpy(k), DeviceArray.from_numpy(v),
+                       causal=causal, out=out, return_lse=True, **kw)
+    got, got_lse = out.numpy().astype(np.float64), lse.numpy()
+    err = np.linalg.norm(got - ref_o) / np.linalg.norm(ref_o)
+    fin = np.isfinite(ref_lse)
+    lerr = float(np.abs(got_lse[fin] - ref_lse[fin]).max()) if fin.any() else 0.0
+    ok = bool(np.isfinite(got).all() and err <= 1e-2 and lerr <= 1e-3
+              and np.array_equal(np.isneginf(got_lse), np.isneginf(ref_lse)))
+    return ok, f"rel. Frobenius error {err:.2e} (limit 1e-2), LSE max error {lerr:.1e} (limit 1e-3)"
+
+
+def attention_cases():
+    return [(f"attention D {d}{' causal' if c else ''}{' varlen' if vl else ' 257 x 1000 GQA 8/2'}",
+             lambda rng, d=d, c=c, vl=vl: _attention_case(rng, d, c, vl))
+            for d in (64, 128, 256) for c in (False, True) for vl in (False, True)]
+
+
 def run() -> bool:
     rng = np.random.default_rng()
     results = []
-    for name, case in cases() + gemm_cases() + gemm_fp8_cases() + grouped_fp8_cases():
+    for name, case in cases() + gemm_cases() + gemm_fp8_cases() + grouped_fp8_cases() + attention_cases():
         try:
             ok, detail = case(rng)
         except Exception as e:  # report and keep going

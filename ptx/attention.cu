@@ -222,27 +222,33 @@ __device__ __forceinline__ void mask_block(float (&s)[S_ACC], int j, int row, in
 template <bool FIRST>
 __device__ __forceinline__ void softmax_block(float (&s)[S_ACC], float (&m)[2], float (&l)[2], float (&alpha)[2],
                                               float scale_log2) {
+  // Max and sum over four interleaved partials each: four short dependency chains instead of one long one (the
+  // softmax has to fit under the other consumer's GEMMs).
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float mx = NEG_INF;
+    float mx[4] = {NEG_INF, NEG_INF, NEG_INF, NEG_INF};
 #pragma unroll
-    for (int i = 0; i < S_ACC / 4; ++i) mx = fmaxf(mx, fmaxf(s[4 * i + 2 * h], s[4 * i + 2 * h + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = FIRST ? mx * scale_log2 : fmaxf(m[h], mx * scale_log2);
+    for (int i = 0; i < S_ACC / 4; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) mx[i % 2 * 2 + e] = fmaxf(mx[i % 2 * 2 + e], s[4 * i + 2 * h + e]);
+    float row_max = fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3]));
+    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+    row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+    const float m_new = FIRST ? row_max * scale_log2 : fmaxf(m[h], row_max * scale_log2);
     const float m_use = m_new == NEG_INF ? 0.f : m_new;  // a row with no key yet: keep every p at 0
     alpha[h] = FIRST ? 0.f : ex2(m[h] - m_use);
     m[h] = m_new;
-    float sum = 0.f;
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < S_ACC / 4; ++i)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = s[4 * i + 2 * h + e];
         x = ex2(fmaf(x, scale_log2, -m_use));
-        sum += x;
+        sum[i % 2 * 2 + e] += x;
       }
-    l[h] = FIRST ? sum : l[h] * alpha[h] + sum;
+    const float total = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+    l[h] = FIRST ? total : l[h] * alpha[h] + total;
   }
 }
 
@@ -444,7 +450,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
         fence_registers(o_acc);
         fence_registers(p);
         v_ring.release_by_lane0(pv.stage, 0, lane);
-        scale_rows(o_acc, alpha);
+        // (once a row's max settles its factor is exactly 1: most blocks of long rows skip the rescale)
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) scale_rows(o_acc, alpha);
         to_fragments(p, s);
         pv = st;
         st.advance();

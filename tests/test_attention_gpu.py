@@ -145,3 +145,23 @@ def test_bad_inputs_raise_before_launch(rng):
         attn.attention(dq, dq, dq, out=DeviceArray.empty((1, 8, 2, 64), "float16"))
     with pytest.raises(TypeError, match="host|numpy|device"):
         attn.attention(np.zeros((1, 8, 2, 64), np.float32), dq, dq)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_keys_take_the_wide_tiles(rng, causal):
+    """Non-causal attention over many keys runs wider key tiles (AttnTuning.noncausal_tiles): keys that are no
+    multiple of them, batched and varlen."""
+    sk = attn.TUNING.wide_min_seqlen_k + 37
+    assert causal or attn.pick_config(128, False, sk) != attn.pick_config(128, False, 1000)
+    _batched(rng, 1, 200, sk, 4, 2, 128, causal)
+    lens_q, lens_k = [3, 150], [sk, 4000]
+    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    ckk = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q, dq = _rand(rng, (cq[-1], 2, 128))
+    k, dk = _rand(rng, (ckk[-1], 2, 128))
+    v, dv = _rand(rng, (ckk[-1], 2, 128))
+    out = _poisoned(q.shape, "bfloat16")
+    _, lse = attn.attention(dq, dk, dv, causal=causal, cu_seqlens_q=DeviceArray.from_numpy(cq),
+                            cu_seqlens_k=DeviceArray.from_numpy(ckk), max_seqlen_q=max(lens_q),
+                            max_seqlen_k=max(lens_k), out=out, return_lse=True)
+    _check(out, lse, *ref.attention(q, k, v, causal, None, cq, ckk))

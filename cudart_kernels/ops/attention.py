@@ -25,7 +25,7 @@ from .sm90 import MapLayout
 HEAD_DIMS = (64, 128, 192, 256)
 _KIND = {dt.bfloat16: "KIND_BF16", dt.float16: "KIND_FP16"}
 _ARGS = ("tmap", "tmap", "tmap", "tmap", "ptr", "i64", "i64", "ptr", "i64", "i64", "ptr", "ptr", "i32", "i32", "i32",
-         "i32", "i32", "i32", "f32", "ptr")
+          "i32", "i32", "i32", "f32", "ptr")
 PANEL = 64  # head-dim columns of one 128-byte swizzled box
 _INPUTS = (dt.bfloat16, dt.float16)
 SMEM_BUDGET = 227 * 1024  # opt-in dynamic shared memory of an SM90 CTA
@@ -122,11 +122,12 @@ def check_outputs(out: DeviceArray | None, lse: DeviceArray | None, q: DeviceArr
 @dataclass(frozen=True)
 class AttnTuning:
     """Tiles per head dim: (query rows a CTA = 64 x consumer warpgroups, keys a K / V tile, ring stages), from
-    FlashAttention-3's published H100 shapes (docs/tuning.md), and where non-causal attention runs better with
-    others, those; pingpong: the consumers take turns on the tensor cores; o_buffer: O gets a shared-memory tile
-    of its own wherever it fits (ptx/attention.cu O_BUFFER)."""
+    FlashAttention-3's published H100 shapes (docs/tuning.md), and for non-causal attention over at least
+    wide_min_seqlen_k keys, wider key tiles where they measured faster; pingpong: the consumers take turns on the
+    tensor cores; o_buffer: O gets a shared-memory tile of its own wherever it fits (ptx/attention.cu O_BUFFER)."""
     tiles: tuple = ((64, (192, 128, 2)), (128, (128, 128, 2)), (192, (128, 96, 2)), (256, (128, 80, 2)))
-    noncausal_tiles: tuple = ()
+    noncausal_tiles: tuple = ((128, (128, 160, 2)),)
+    wide_min_seqlen_k: int = 4096
     pingpong: bool = True
     o_buffer: bool = True
     # causal units run in chunks of (batch, head) pairs whose K and V together take about this much L2
@@ -168,8 +169,9 @@ def consumer_registers(bn: int, d: int) -> int:
     return bn // 2 + d // 2 + bn // 4
 
 
-def pick_config(d: int, causal: bool = False, tuning: AttnTuning = TUNING) -> AttnConfig:
-    bm, bn, stages = dict(() if causal else tuning.noncausal_tiles).get(d) or dict(tuning.tiles)[d]
+def pick_config(d: int, causal: bool = False, seqlen_k: int = 0, tuning: AttnTuning = TUNING) -> AttnConfig:
+    wide = not causal and seqlen_k >= tuning.wide_min_seqlen_k
+    bm, bn, stages = dict(tuning.noncausal_tiles if wide else ()).get(d) or dict(tuning.tiles)[d]
     o_buffer = tuning.o_buffer and smem_bytes(bm, bn, d, stages, True) <= SMEM_BUDGET
     smem = smem_bytes(bm, bn, d, stages, o_buffer)
     if smem > SMEM_BUDGET:
@@ -184,16 +186,17 @@ def _defines(dtype, cfg: AttnConfig, causal: bool, varlen: bool) -> dict:
 
 
 def variants():
-    """Every kernel variant: each head dim, causal or not, batched or varlen, bf16; fp16 at head dim 128."""
+    """Every kernel variant: each head dim, causal or not (short and long keys), batched or varlen, bf16; fp16 at
+    head dim 128."""
     out = []
     for d in HEAD_DIMS:
         for dtype in (dt.bfloat16, dt.float16) if d == 128 else (dt.bfloat16,):
-            for causal in (False, True):
-                cfg = pick_config(d, causal)
+            for causal, seqlen_k in ((False, 0), (False, TUNING.wide_min_seqlen_k), (True, 0)):
+                cfg = pick_config(d, causal, seqlen_k)
                 for varlen in (False, True):
                     out.append(("attention.cu", "attention_fwd_kernel", _defines(dtype, cfg, causal, varlen),
                                 cfg.smem))
-    return out
+    return list({tuple(sorted(v[2].items())): v for v in out}.values())
 
 
 # ---- plans and launch -------------------------------------------------------------------------------------------
@@ -228,7 +231,7 @@ class _Plan:
 
 
 def _plan(qv, kv, vv, ov, lv, dims: Dims, causal: bool, scale: float, tuning: AttnTuning) -> _Plan:
-    cfg = pick_config(dims.head_dim, causal, tuning)
+    cfg = pick_config(dims.head_dim, causal, dims.seqlen_k, tuning)
     props = device_properties(qv.device)
     launch = get_launcher("attention.cu", "attention_fwd_kernel", _defines(qv.dtype, cfg, causal, dims.varlen),
                           qv.device, _ARGS, (cfg.threads,), cfg.smem, pdl=tuning.pdl)
