@@ -45,11 +45,7 @@
 #define DYNAMIC (CAUSAL || VARLEN)
 #endif
 
-#if IN_KIND == KIND_BF16
-typedef WgBf16 WgIn;
-#else
-typedef WgFp16 WgIn;
-#endif
+typedef Wg16<IN_KIND>::type WgIn;
 
 constexpr int D = HEAD_DIM;
 constexpr int PANEL_COLS = 64;      // head-dim columns of one 128-byte swizzled box

@@ -65,11 +65,7 @@
 #define MCAST 0
 #endif
 
-#if IN_KIND == KIND_BF16
-typedef WgBf16 WgIn;
-#else
-typedef WgFp16 WgIn;
-#endif
+typedef Wg16<IN_KIND>::type WgIn;
 
 constexpr int BK = 64;  // 64 16-bit elements = 128 bytes: one swizzle span, four k16 wgmma steps
 constexpr int CONSUMERS = BM / 64;

@@ -79,6 +79,9 @@ def render() -> str:
         "#pragma once\n#include \"common/types.cuh\"\n\n"
         "struct WgBf16 {};\nstruct WgFp16 {};\nstruct WgE4m3 {};\ntemplate <typename In, int N> struct Wgmma;\n"
         "template <typename In, int N> struct WgmmaRegA;\n\n"
+        "// The input tag of a 16-bit kernel from its element kind (KIND_BF16 / KIND_FP16).\n"
+        "template <int KIND> struct Wg16 { typedef WgBf16 type; };\n"
+        "template <> struct Wg16<KIND_FP16> { typedef WgFp16 type; };\n\n"
     ]
     for n in range(8, 257, 8):
         parts.append(wrapper(n, "bf16", "WgBf16"))

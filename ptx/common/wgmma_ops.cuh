@@ -14,6 +14,10 @@ struct WgE4m3 {};
 template <typename In, int N> struct Wgmma;
 template <typename In, int N> struct WgmmaRegA;
 
+// The input tag of a 16-bit kernel from its element kind (KIND_BF16 / KIND_FP16).
+template <int KIND> struct Wg16 { typedef WgBf16 type; };
+template <> struct Wg16<KIND_FP16> { typedef WgFp16 type; };
+
 
 template <> struct Wgmma<WgBf16, 8> {
   template <int TRANS_B>
