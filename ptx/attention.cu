@@ -212,6 +212,8 @@ __device__ __forceinline__ void mask_block(float (&s)[S_ACC], int j, int row, in
       }
 }
 
+constexpr float RESCALE_SLACK = 8.f;
+
 // Online softmax of a new S block for the thread's two rows: the running max m (in units of scale * log2 e), the
 // factor the old O and row sums must be scaled by, S replaced by p = 2^(s * scale_log2 - m), partial row sums l
 // (this thread's columns; summed over the row's four threads at the end).
@@ -230,7 +232,11 @@ __device__ __forceinline__ void softmax_block(float (&s)[S_ACC], float (&m)[2], 
     float row_max = fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3]));
     row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
     row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
-    const float m_new = FIRST ? row_max * scale_log2 : fmaxf(m[h], row_max * scale_log2);
+    // The running max moves only when the block's exceeds it by more than RESCALE_SLACK: below that p stays
+    // <= 2^RESCALE_SLACK (in range for fp32 sums and 16-bit P alike; O / l and the LSE take m as it is), alpha
+    // is 1 and the O rescale is skipped, for almost every block after the first few.
+    const float blk = row_max * scale_log2;
+    const float m_new = FIRST || blk > m[h] + RESCALE_SLACK ? blk : m[h];
     const float m_use = m_new == NEG_INF ? 0.f : m_new;  // a row with no key yet: keep every p at 0
     alpha[h] = FIRST ? 0.f : ex2(m[h] - m_use);
     m[h] = m_new;
@@ -442,7 +448,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
         if (O_BUFFER && j == 0) mbar_arrive_by_lane0(smem_u32(q_empty), lane);
         if (j >= unmasked) mask_block(s, j, row, t.sq, t.sk, lane);
         softmax_block<false>(s, m, l, alpha, scale_log2);
-        // (once a row's max settles its factor is exactly 1: most blocks of long rows skip the rescale)
+        // (alpha is exactly 1 unless a row's max moved: most blocks skip the rescale)
         // The wait for P V sits in both arms of the branch: ptxas does not hoist it above the softmax there (in one
         // straight block it did, and the softmax no longer ran under P V).
         if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
