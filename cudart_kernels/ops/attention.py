@@ -122,12 +122,15 @@ def check_outputs(out: DeviceArray | None, lse: DeviceArray | None, q: DeviceArr
 @dataclass(frozen=True)
 class AttnTuning:
     """Tiles per head dim: (query rows a CTA = 64 x consumer warpgroups, keys a K / V tile, ring stages), from
-    FlashAttention-3's published H100 shapes (docs/tuning.md), and for non-causal attention over at least
-    wide_min_seqlen_k keys, wider key tiles where they measured faster; pingpong: the consumers take turns on the
-    tensor cores; o_buffer: O gets a shared-memory tile of its own wherever it fits (ptx/attention.cu O_BUFFER)."""
-    tiles: tuple = ((64, (192, 128, 2)), (128, (128, 128, 2)), (192, (128, 96, 2)), (256, (128, 80, 2)))
+    FlashAttention-3's published H100 shapes (docs/tuning.md); for non-causal attention over at least
+    wide_min_seqlen_k keys, wider key tiles, and for causal attention over at most short_max_seqlen_k keys, shorter
+    query tiles, where they measured faster; pingpong: the consumers take turns on the tensor cores; o_buffer: O gets
+    a shared-memory tile of its own wherever it fits (ptx/attention.cu O_BUFFER)."""
+    tiles: tuple = ((64, (192, 128, 3)), (128, (128, 128, 2)), (192, (128, 96, 2)), (256, (128, 80, 2)))
     noncausal_tiles: tuple = ((128, (128, 160, 2)),)
     wide_min_seqlen_k: int = 4096
+    short_causal_tiles: tuple = ((64, (128, 128, 3)),)
+    short_max_seqlen_k: int = 1024
     pingpong: bool = True
     o_buffer: bool = True
     # causal units run in chunks of (batch, head) pairs whose K and V together take about this much L2
@@ -170,8 +173,13 @@ def consumer_registers(bn: int, d: int) -> int:
 
 
 def pick_config(d: int, causal: bool = False, seqlen_k: int = 0, tuning: AttnTuning = TUNING) -> AttnConfig:
-    wide = not causal and seqlen_k >= tuning.wide_min_seqlen_k
-    bm, bn, stages = dict(tuning.noncausal_tiles if wide else ()).get(d) or dict(tuning.tiles)[d]
+    if not causal and seqlen_k >= tuning.wide_min_seqlen_k:
+        special = tuning.noncausal_tiles
+    elif causal and 0 < seqlen_k <= tuning.short_max_seqlen_k:
+        special = tuning.short_causal_tiles
+    else:
+        special = ()
+    bm, bn, stages = dict(special).get(d) or dict(tuning.tiles)[d]
     o_buffer = tuning.o_buffer and smem_bytes(bm, bn, d, stages, True) <= SMEM_BUDGET
     smem = smem_bytes(bm, bn, d, stages, o_buffer)
     if smem > SMEM_BUDGET:
@@ -191,7 +199,8 @@ def variants():
     out = []
     for d in HEAD_DIMS:
         for dtype in (dt.bfloat16, dt.float16) if d == 128 else (dt.bfloat16,):
-            for causal, seqlen_k in ((False, 0), (False, TUNING.wide_min_seqlen_k), (True, 0)):
+            for causal, seqlen_k in ((False, 0), (False, TUNING.wide_min_seqlen_k), (True, 0),
+                                     (True, TUNING.short_max_seqlen_k)):
                 cfg = pick_config(d, causal, seqlen_k)
                 for varlen in (False, True):
                     out.append(("attention.cu", "attention_fwd_kernel", _defines(dtype, cfg, causal, varlen),
