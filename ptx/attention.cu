@@ -448,17 +448,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
         if (O_BUFFER && j == 0) mbar_arrive_by_lane0(smem_u32(q_empty), lane);
         if (j >= unmasked) mask_block(s, j, row, t.sq, t.sk, lane);
         softmax_block<false>(s, m, l, alpha, scale_log2);
-        // (alpha is exactly 1 unless a row's max moved: most blocks skip the rescale)
-        // The wait for P V sits in both arms of the branch: ptxas does not hoist it above the softmax there (in one
-        // straight block it did, and the softmax no longer ran under P V).
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+        // The wait for P V sits in both arms of a branch that every warp of the warpgroup takes alike (the scale
+        // is positive; the compiler cannot know): ptxas does not hoist it above the softmax there (in one straight
+        // block it did, and the softmax no longer ran under P V).
+        if (scale_log2 > 0.f) {
           wgmma_wait<0>();
-          fence_registers(o_acc);
-          scale_rows(o_acc, alpha);
         } else {
           wgmma_wait<0>();
-          fence_registers(o_acc);
         }
+        fence_registers(o_acc);
+        // (alpha is exactly 1 unless a row's max moved: most blocks skip the rescale)
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) scale_rows(o_acc, alpha);
         fence_registers(p);
         v_ring.release_by_lane0(pv.stage, 0, lane);
         to_fragments(p, s);
