@@ -103,3 +103,45 @@ def test_two_processes_compile_into_one_empty_cache(empty_cache):
     assert len(_entries(empty_cache)) == 1 and not list(empty_cache.glob("*.tmp"))
     compiler.clear_memory_cache()
     assert compiler.compile_kernel(SRC, ENTRY, DEFS).from_disk
+
+
+def _cache_warnings(caplog):
+    return [r for r in caplog.records if "kernel cache" in r.getMessage()]
+
+
+def test_unusable_cache_dir_warns_once_and_runs_from_memory(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("CUDART_KERNELS_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(compiler, "_cache_warned", set())
+    compiler.clear_memory_cache()
+    try:
+        with caplog.at_level(logging.WARNING, logger="cudart_kernels"):
+            a = compiler.compile_kernel(SRC, ENTRY, DEFS)
+            b = compiler.compile_kernel(SRC, ENTRY, {"IN_KIND": "KIND_BF16"})
+        assert a.cubin and b.cubin and not a.from_disk and not b.from_disk
+        assert len(_cache_warnings(caplog)) == 1  # one warning, not one per kernel
+        assert compiler.compile_kernel(SRC, ENTRY, DEFS) is a  # served from memory
+    finally:
+        compiler.clear_memory_cache()
+
+
+def test_corrupt_entry_in_read_only_cache(empty_cache, monkeypatch, caplog):
+    good = compiler.compile_kernel(SRC, ENTRY, DEFS)
+    (path,) = _entries(empty_cache)
+    path.write_bytes(b"garbage")
+    compiler.clear_memory_cache()
+    monkeypatch.setattr(compiler, "_cache_warned", set())
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Read-only file system")
+
+    # (chmod does not stop root: the read-only file system is simulated where the cache deletes and writes)
+    monkeypatch.setattr(type(path), "unlink", read_only)
+    monkeypatch.setattr(compiler.tempfile, "mkstemp", read_only)
+    with caplog.at_level(logging.WARNING, logger="cudart_kernels"):
+        again = compiler.compile_kernel(SRC, ENTRY, DEFS)
+    assert again.cubin == good.cubin and not again.from_disk
+    assert any("corrupt" in r.getMessage() for r in caplog.records)
+    assert len(_cache_warnings(caplog)) == 1
+    assert path.read_bytes() == b"garbage"  # left alone

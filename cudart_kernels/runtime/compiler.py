@@ -1,7 +1,9 @@
 """NVRTC compilation of ptx/ sources into cubins, with an on-disk cache that is safe under concurrent writers.
 
 Cache entry layout: MAGIC | u64 len(meta) | u64 len(cubin) | sha256(meta + cubin) | meta (JSON) | cubin.
-An entry that fails any of these checks is deleted and rebuilt, never loaded.
+An entry that fails any of these checks is deleted and rebuilt, never loaded. The cache is an optimisation, never a
+failure: a cache directory that cannot be created, read or written (read-only, not a directory, full) logs one warning
+and the kernels are compiled and kept in memory.
 """
 from __future__ import annotations
 
@@ -150,11 +152,25 @@ def _cache_key(source: str, entry: str, defines: tuple, arch: str) -> tuple[str,
     return h.hexdigest(), path, opts, files[path]
 
 
+_cache_warned: set = set()
+
+
+def _cache_unusable(path: Path, what: str, err: OSError) -> None:
+    """One warning per cache directory and process: the run goes on from memory."""
+    if path.parent not in _cache_warned:
+        _cache_warned.add(path.parent)
+        log.warning("cudart_kernels: cannot %s the kernel cache in %s (%s); compiled kernels are kept in memory only "
+                    "(set CUDART_KERNELS_CACHE_DIR to a writable directory)", what, path.parent, err)
+
+
 def _read_entry(path: Path):
-    """Return (meta, cubin) from a cache file, or None if it is missing, truncated or corrupt."""
+    """Return (meta, cubin) from a cache file, or None if it is missing, unreadable, truncated or corrupt."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
+        return None
+    except OSError as e:
+        _cache_unusable(path, "read", e)
         return None
     if len(data) < _HEADER.size:
         return None
@@ -228,17 +244,22 @@ def compile_kernel(source: str, entry: str, defines: dict | None = None, arch: s
     name = name or Path(source).stem
     entry_data = _read_entry(fname)
     if entry_data is None:
-        if fname.exists():
+        if fname.is_file():
             log.warning("cudart_kernels: cache entry %s is corrupt; rebuilding", fname.name)
             try:
                 fname.unlink()
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                _cache_unusable(fname, "delete a corrupt entry in", e)
         t0 = time.perf_counter()
         cubin, text_log = _nvrtc_compile(text, str(path), opts)
         secs = time.perf_counter() - t0
         meta = {"name": name, "entry": entry, "defines": dkey, "arch": arch, "log": text_log, "seconds": secs}
-        _write_entry(fname, meta, cubin)
+        try:
+            _write_entry(fname, meta, cubin)
+        except OSError as e:
+            _cache_unusable(fname, "write", e)
         log.info("cudart_kernels: compiled %s %s for %s in %.2f s", entry, dict(dkey), arch, secs)
         from_disk = False
     else:
