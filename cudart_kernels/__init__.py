@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 from .runtime.dtypes import bfloat16, float16, float32, float8_e4m3, float8_e5m2, int32, int64  # noqa: E402
 from .runtime.interop import DeviceArray, as_array  # noqa: E402
 from .ops.attention import attention  # noqa: E402
+from .ops.attention_bwd import attention_backward  # noqa: E402
 from .ops.gemm import gemm  # noqa: E402
 from .ops.gemm_fp8 import (gemm_fp8, gemm_fp8_grouped_contiguous, gemm_fp8_grouped_masked,  # noqa: E402
                            gemm_fp8_wgrad)
@@ -11,7 +12,7 @@ from .ops.quantize import quantize_fp8_per_block, quantize_fp8_per_token  # noqa
 
 __all__ = [
     "__version__", "DeviceArray", "as_array",
-    "attention", "gemm", "gemm_fp8", "gemm_fp8_grouped_contiguous", "gemm_fp8_grouped_masked", "gemm_fp8_wgrad",
+    "attention", "attention_backward", "gemm", "gemm_fp8", "gemm_fp8_grouped_contiguous", "gemm_fp8_grouped_masked", "gemm_fp8_wgrad",
     "quantize_fp8_per_token", "quantize_fp8_per_block",
     "float32", "float16", "bfloat16", "float8_e4m3", "float8_e5m2", "int32", "int64",
 ]

@@ -85,3 +85,41 @@ def attention(q, k, v, causal: bool = False, softmax_scale: float | None = None,
     if cu_seqlens_q is None:
         return np.stack(outs), np.stack(lses)
     return np.concatenate(outs, axis=0), np.concatenate(lses, axis=1)
+
+
+def attention_backward(dout, q, k, v, causal: bool = False, softmax_scale: float | None = None, cu_seqlens_q=None,
+                       cu_seqlens_k=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients (dQ, dK, dV) in float64 of `attention`'s O with respect to q, k, v, given dO (same layouts as
+    `attention`; GQA: a kv head's dK and dV sum over the query heads that read it)."""
+    q, k, v, dout = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+    d = q.shape[-1]
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if cu_seqlens_q is None:
+        spans = [((b, slice(None)), (b, slice(None))) for b in range(q.shape[0])]
+    else:
+        cq, ck = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+        spans = [((slice(cq[b], cq[b + 1]),), (slice(ck[b], ck[b + 1]),)) for b in range(len(cq) - 1)]
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for sq_idx, sk_idx in spans:
+        qs, ks, vs, dos = q[sq_idx], k[sk_idx], v[sk_idx], dout[sq_idx]
+        sq, hq = qs.shape[0], qs.shape[1]
+        sk, hkv = ks.shape[0], ks.shape[1]
+        rep = hq // hkv
+        kh, vh = np.repeat(ks, rep, axis=1), np.repeat(vs, rep, axis=1)
+        s = np.einsum("qhd,khd->hqk", qs, kh) * scale
+        if causal:
+            allowed = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+            s = np.where(allowed[None], s, -np.inf)
+        m = s.max(axis=-1, keepdims=True) if sk else np.full((hq, sq, 1), -np.inf)
+        p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
+        l = p.sum(axis=-1, keepdims=True)
+        p = np.where(l > 0, p / np.where(l > 0, l, 1), 0.0)  # [H_q, S_q, S_k]
+        o = np.einsum("hqk,khd->qhd", p, vh)
+        dp = np.einsum("qhd,khd->hqk", dos, vh)
+        ds = p * (dp - np.einsum("qhd,qhd->hq", dos, o)[..., None])
+        dq[sq_idx] = np.einsum("hqk,khd->qhd", ds, kh) * scale
+        dkh = np.einsum("hqk,qhd->khd", ds, qs) * scale
+        dvh = np.einsum("hqk,qhd->khd", p, dos)
+        dk[sk_idx] = dkh.reshape(sk, hkv, rep, d).sum(axis=2)
+        dv[sk_idx] = dvh.reshape(sk, hkv, rep, d).sum(axis=2)
+    return dq, dk, dv

@@ -94,19 +94,6 @@ constexpr int BAR_TURN = 1 + CONSUMERS;
 typedef StageRing<STAGES, 0> Ring;
 typedef PipeState<STAGES> Pipe;
 
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// The pointer as a value the compiler cannot trace back: address arithmetic on it stays where it is written instead
-// of being hoisted out of the unit loop and kept live (spilled) across the main loop.
-__device__ __forceinline__ u8* opaque(u8* p) {
-  asm volatile("" : "+l"(p));
-  return p;
-}
-
 // ---- work units --------------------------------------------------------------------------------------------------
 struct AttnUnit {
   int mb, h, b;           // query block, query head, sequence

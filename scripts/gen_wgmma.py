@@ -17,8 +17,8 @@ def wrapper(n: int, ptx_type: str, name: str, k: int = 16, transposable: bool = 
     acc = ", ".join(f"%{i}" for i in range(regs))
     operands = _acc_operands(regs)
     if transposable:  # scale-a, scale-b, transpose-a (0: K-major), transpose-b
-        tail = f'        "%{regs}, %{regs + 1}, p, 1, 1, 0, %{regs + 3};\\n}}\\n"\n'
-        inputs = '        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B));\n'
+        tail = f'        "%{regs}, %{regs + 1}, p, 1, 1, %{regs + 4}, %{regs + 3};\\n}}\\n"\n'
+        inputs = '        : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(TRANS_B), "n"(TRANS_A));\n'
         check = ""
     else:
         tail = f'        "%{regs}, %{regs + 1}, p, 1, 1;\\n}}\\n"\n'
@@ -26,8 +26,8 @@ def wrapper(n: int, ptx_type: str, name: str, k: int = 16, transposable: bool = 
         check = '    static_assert(TRANS_B == 0, "this wgmma reads K-major operands only");\n'
     return (
         f"template <> struct Wgmma<{name}, {n}> {{\n"
-        f"  template <int TRANS_B>\n"
-        f"  __device__ __forceinline__ static void mma(float (&d)[{regs}], u64 desc_a, u64 desc_b, u32 accumulate) {{\n"
+        + ("  template <int TRANS_B, int TRANS_A = 0>\n" if transposable else "  template <int TRANS_B>\n")
+        + f"  __device__ __forceinline__ static void mma(float (&d)[{regs}], u64 desc_a, u64 desc_b, u32 accumulate) {{\n"
         + check +
         f"    asm volatile(\n"
         f'        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n"\n'
@@ -73,7 +73,8 @@ def render() -> str:
         "// wgmma.mma_async m64nNk16 (bf16, fp16) and m64nNk32 (e4m3) with fp32 accumulators, A and B from shared\n"
         "// memory (descriptors).\n"
         "// Wgmma<In, N>::mma<TRANS_B>(acc, desc_a, desc_b, accumulate): accumulate == 0 overwrites acc.\n"
-        "// TRANS_B = 1 reads B as MN-major (N contiguous).\n"
+        "// TRANS_B = 1 reads B as MN-major (N contiguous); for 16-bit inputs TRANS_A = 1 reads A as MN-major (M\n"
+        "// contiguous).\n"
         "// WgmmaRegA<WgE4m3, N>::mma(acc, a, desc_b, accumulate): e4m3 with A from registers (N up to 128).\n"
         "// WgmmaRegA<WgBf16 / WgFp16, N>::mma<TRANS_B>(acc, a, desc_b, accumulate): 16-bit A from registers.\n"
         "#pragma once\n#include \"common/types.cuh\"\n\n"

@@ -137,6 +137,20 @@ __device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap_st* map, con
                :: "l"(map), "r"(smem_u32(src)), "r"(c0), "r"(c1) : "memory");
 }
 
+// global += shared for the 4-d maps (fp32 add for fp32 maps), clipped like a store.
+__device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap_st* map, const void* src, int c0, int c1, int c2,
+                                                  int c3) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
+      :: "l"(map), "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) global -> shared, completing on `bar`.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
 // The shared-memory sources of all but the newest N committed stores/reduces may be reused.
@@ -236,6 +250,20 @@ __device__ __forceinline__ f32x4 ld_dsmem_f32x4(u32 addr) {
 // mbarrier wait, onto the path from a stage's arrival to the wgmma that consumes it.
 __device__ __forceinline__ void compute_here(u64& x) { asm volatile("" : "+l"(x)); }
 
+// The pointer as a value the compiler cannot trace back: address arithmetic on it stays where it is written instead
+// of being hoisted out of a loop and kept live (spilled) across it.
+__device__ __forceinline__ u8* opaque(u8* p) {
+  asm volatile("" : "+l"(p));
+  return p;
+}
+
+// 2^x on the MUFU unit (flushes denormals; 2^-inf = 0).
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ---- wgmma -------------------------------------------------------------------------------------------------------
 // Descriptor of a K-major tile written by TMA with 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes
 // apart (stride byte offset), leading byte offset unused, the tile 1024-byte aligned (base offset 0).
@@ -326,6 +354,12 @@ __device__ __forceinline__ u32 swizzled_offset(int row, int g) {
   } else {
     return row * ROW_BYTES + ((g ^ ((row * ROW_BYTES >> 7) & (ROW_BYTES / 16 - 1))) << 4);
   }
+}
+
+__device__ __forceinline__ float2 ld_shared_f32x2(u32 addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ void st_shared_f32x2(void* p, float x, float y) {

@@ -1,0 +1,281 @@
+"""Attention backward (FlashAttention-3 class): dQ, dK, dV of `attention` from dO, the forward's output and its
+log-sum-exp, for the forward's layouts (batched [B, S, H, D] or packed varlen), causal (bottom-right), GQA / MQA.
+
+Three kernels run in order on the stream (ptx/attention_bwd_prep.cu, ptx/attention_bwd.cu):
+- prep: dPsum = rowsum(dO * O) and the LSE in base 2, into padded per-head rows; the fp32 dQ accumulator cleared;
+- main: persistent, warp-specialized; a unit is a block of 128 keys of a kv head, whose K and V stay in shared memory
+  while a producer streams the Q and dO tiles of every query head of the group; two consumer warpgroups keep dK and
+  dV in registers, and each tile's dQ partial is added into the accumulator with TMA reduce-add by a writer warp
+  (in a fixed order with `deterministic`);
+- dq: accumulator * softmax scale -> dq's dtype.
+This module validates every call before any launch, picks the config, builds the tensor maps and launches.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..runtime import dtypes as dt
+from ..runtime.driver import device_properties, stream_handle
+from ..runtime.interop import DeviceArray, as_arrays, require
+from ..runtime.launch import ArgsMemo, get_launcher
+from ..runtime.plans import PLANS
+from ..runtime.scratch import SCRATCH
+from . import sm90
+from .attention import _INPUTS, _KIND, SMEM_BUDGET, Dims, _key, _map_layout, check_inputs, check_outputs
+from .sm90 import MapLayout
+
+HEAD_DIMS = (64, 128)
+BM = 64         # query rows a tile (ptx/attention_bwd.cu)
+ROWS_PREP = 64  # query rows a CTA of the row kernels (ptx/attention_bwd_prep.cu)
+_MAIN_ARGS = ("tmap",) * 7 + ("ptr", "ptr", "i64", "i64", "i64", "i64", "ptr", "i64", "ptr", "ptr", "i32", "i32",
+                              "i32", "i32", "i32", "f32", "f32", "ptr", "ptr")
+_PREP_ARGS = ("ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "ptr", "i64", "ptr", "ptr",
+              "i32")
+_DQ_ARGS = ("ptr", "ptr", "i64", "i64", "i64", "ptr", "i32", "f32")
+
+
+@dataclass(frozen=True)
+class AttnBwdTuning:
+    """Keys a unit (128: 64 per consumer warpgroup) and Q / dO ring stages, per head dim (docs/tuning.md)."""
+    tiles: tuple = ((64, (128, 2)), (128, (128, 2)))
+    pdl: bool = True
+
+
+TUNING = AttnBwdTuning()
+
+
+@dataclass(frozen=True)
+class AttnBwdConfig:
+    bn: int
+    stages: int
+    head_dim: int
+    smem: int
+    threads: int = 384
+
+
+def smem_bytes(bn: int, d: int, stages: int) -> int:
+    """Mirror of ptx/attention_bwd.cu: K and V, the Q and dO rings, two dS^T tiles, the fp32 dQ partial, the LSE and
+    dPsum rows of each stage, the barriers and unit slots, 1 KB of alignment slack."""
+    return (2 * bn * d * 2 + 2 * stages * BM * d * 2 + 2 * bn * BM * 2 + BM * d * 4 + 2 * stages * BM * 4
+            + (4 * stages + 6) * 8 + 8 + 1024)
+
+
+def pick_config(d: int, tuning: AttnBwdTuning = TUNING) -> AttnBwdConfig:
+    bn, stages = dict(tuning.tiles)[d]
+    smem = smem_bytes(bn, d, stages)
+    if smem > SMEM_BUDGET:
+        raise ValueError(f"attention backward tile {bn}x{d} with {stages} stages needs {smem} bytes of shared memory")
+    return AttnBwdConfig(bn, stages, d, smem)
+
+
+def _main_defines(dtype, cfg: AttnBwdConfig, causal: bool, varlen: bool, deterministic: bool) -> dict:
+    return {"IN_KIND": _KIND[dtype], "HEAD_DIM": cfg.head_dim, "BN": cfg.bn, "STAGES": cfg.stages,
+            "CAUSAL": int(causal), "VARLEN": int(varlen), "DETERMINISTIC": int(deterministic)}
+
+
+def _row_defines(dtype, d: int, varlen: bool) -> dict:
+    return {"IN_KIND": _KIND[dtype], "HEAD_DIM": d, "VARLEN": int(varlen)}
+
+
+def variants():
+    """Every kernel variant: each head dim, causal or not, batched or varlen, deterministic or not, bf16; fp16 at
+    head dim 128; the row kernels for each."""
+    out = []
+    for d in HEAD_DIMS:
+        cfg = pick_config(d)
+        for dtype in (dt.bfloat16, dt.float16) if d == 128 else (dt.bfloat16,):
+            for varlen in (False, True):
+                for causal in (False, True):
+                    for det in (False, True):
+                        out.append(("attention_bwd.cu", "attention_bwd_kernel",
+                                    _main_defines(dtype, cfg, causal, varlen, det), cfg.smem))
+                for entry in ("attention_bwd_prep", "attention_bwd_dq"):
+                    out.append(("attention_bwd_prep.cu", entry, _row_defines(dtype, d, varlen), 0))
+    return out
+
+
+# ---- validation -------------------------------------------------------------------------------------------------
+
+def _check_like(x: DeviceArray | None, name: str, ref: DeviceArray, ref_name: str) -> None:
+    if x is None:
+        return
+    require(x, name, dtypes=(ref.dtype,), ndim=ref.ndim, shape=ref.shape)
+    if x.device != ref.device:
+        raise ValueError(f"{name} is on cuda:{x.device} but {ref_name} is on cuda:{ref.device}")
+
+
+def check_backward(dov, qv, kv, vv, ov, lv, cq, ck, max_q, max_k, dqv, dkv, dvv) -> Dims:
+    """Validate a backward call; raise TypeError / ValueError naming the argument."""
+    dims = check_inputs(qv, kv, vv, cq, ck, max_q, max_k)
+    if dims.head_dim not in HEAD_DIMS:
+        raise ValueError(f"attention_backward: head dim {dims.head_dim} not supported "
+                         f"(supported: {', '.join(map(str, HEAD_DIMS))})")
+    for name, x in (("dout", dov), ("out", ov), ("lse", lv)):
+        if x is None:
+            raise ValueError(f"attention_backward needs {name} (the forward's output, its lse and the gradient of "
+                             f"its output)")
+    require(dov, "dout", dtypes=_INPUTS)
+    _check_like(dov, "dout", qv, "q")
+    check_outputs(ov, lv, qv, dims)
+    _check_like(dqv, "dq", qv, "q")
+    _check_like(dkv, "dk", kv, "k")
+    _check_like(dvv, "dv", vv, "v")
+    return dims
+
+
+# ---- plans and launch ---------------------------------------------------------------------------------------------
+
+def _acc_layout(dims: Dims, rows: int) -> MapLayout:
+    """The fp32 dQ accumulator [rows, H_q, D] (rows: B * S_q, or total_q), seen as (D, rows, heads, batch) with
+    boxes of 32 columns (128 bytes) by 64 rows."""
+    d, h = dims.head_dim, dims.heads_q
+    if dims.varlen:
+        shape, strides = (d, max(rows, 1), h, 1), (h * d * 4, d * 4, d * 4)
+    else:
+        shape = (d, max(dims.seqlen_q, 1), h, dims.batch)
+        strides = (h * d * 4, d * 4, max(dims.seqlen_q, 1) * h * d * 4)
+    return MapLayout(dt.float32, shape, strides, (32, BM, 1, 1), 128)
+
+
+def _stat_head(dims: Dims, rows: int) -> int:
+    """Floats a head's LSE / dPsum rows take (ptx/attention_bwd_prep.cu), a multiple of 4."""
+    if dims.varlen:
+        n = rows + 128 * dims.batch + ROWS_PREP
+    else:
+        n = dims.batch * (-(-dims.seqlen_q // ROWS_PREP) * ROWS_PREP)
+    return n + -n % 4
+
+
+@dataclass(frozen=True)
+class _Plan:
+    cfg: AttnBwdConfig
+    main: object
+    prep: object
+    post: object
+    grid: tuple
+    row_grid: tuple
+    maps: tuple        # q, k, v, do, dq accumulator, dk, dv layouts
+    scalars: tuple
+    scratch: tuple
+    stat_head: int
+    run_main: bool
+    run_rows: bool
+    memo: ArgsMemo = field(default_factory=ArgsMemo, compare=False, repr=False)
+
+
+def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, tuning: AttnBwdTuning) -> _Plan:
+    dov, qv, kv, vv, ov, lv, dqv, dkv, dvv = arrays
+    cfg = pick_config(dims.head_dim, tuning)
+    dev = qv.device
+    main = get_launcher("attention_bwd.cu", "attention_bwd_kernel",
+                        _main_defines(qv.dtype, cfg, causal, dims.varlen, deterministic), dev, _MAIN_ARGS,
+                        (cfg.threads,), cfg.smem, pdl=tuning.pdl)
+    row_defs = _row_defines(qv.dtype, dims.head_dim, dims.varlen)
+    prep = get_launcher("attention_bwd_prep.cu", "attention_bwd_prep", row_defs, dev, _PREP_ARGS, (256,), 0,
+                        pdl=tuning.pdl)
+    post = get_launcher("attention_bwd_prep.cu", "attention_bwd_dq", row_defs, dev, _DQ_ARGS, (256,), 0,
+                        pdl=tuning.pdl)
+    n_blocks = -(-dims.seqlen_k // cfg.bn)
+    units = n_blocks * dims.heads_kv * dims.batch
+    grid = (max(1, min(units, device_properties(dev).sm_count)), 1, 1)
+    m_prep = -(-dims.seqlen_q // ROWS_PREP)
+    row_grid = (max(1, m_prep), dims.heads_q, dims.batch)
+    rows_q = qv.shape[0] if dims.varlen else dims.batch * dims.seqlen_q
+    stat_head = _stat_head(dims, rows_q)
+    maps = (_map_layout(qv, dims.varlen, BM), _map_layout(kv, dims.varlen, cfg.bn),
+            _map_layout(vv, dims.varlen, cfg.bn), _map_layout(dov, dims.varlen, BM), _acc_layout(dims, rows_q),
+            _map_layout(dkv, dims.varlen, 64), _map_layout(dvv, dims.varlen, 64))
+    group = dims.heads_q // dims.heads_kv
+    scalars = (dims.seqlen_q, dims.seqlen_k, dims.heads_kv, dims.batch, group, scale * math.log2(math.e), scale)
+    m_blocks = -(-dims.seqlen_q // BM)
+    scratch = (("attn_bwd_dq", max(rows_q, 1) * dims.heads_q * dims.head_dim * 4, False),
+               ("attn_bwd_stats", 2 * dims.heads_q * stat_head * 4, False),
+               ("attention_units", 8, True))
+    if deterministic:
+        scratch += (("attn_bwd_order", dims.batch * dims.heads_q * m_blocks * 4, True),)
+    return _Plan(cfg, main, prep, post, grid, row_grid, maps, scalars, scratch, stat_head,
+                 run_main=units > 0, run_rows=m_prep > 0 and dims.batch > 0)
+
+
+def _strides(x: DeviceArray, varlen: bool) -> tuple:
+    """(row, head, batch) element strides (batch 0 for packed varlen)."""
+    if varlen:
+        return x.strides[0], x.strides[1], 0
+    return x.strides[1], x.strides[2], x.strides[0]
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
+                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None,
+                       max_seqlen_k: int | None = None, deterministic: bool = False, dq=None, dk=None, dv=None,
+                       stream=None, tuning: AttnBwdTuning | None = None):
+    """Attention backward: (dq, dk, dv) of out = attention(q, k, v, ...) given dout, out and the forward's lse.
+
+    q, k, v, causal, softmax_scale, cu_seqlens_q / cu_seqlens_k and max_seqlen_q / max_seqlen_k are the forward
+    call's (see `attention`; head dims 64 and 128); out is its output and lse its fp32 log-sum-exp
+    ([B, H_q, S_q], varlen [H_q, total_q]: `attention(..., return_lse=True)`); dout has out's shape and dtype.
+    dq has q's shape and dtype, dk and dv k's and v's (GQA: summed over the query heads of each kv head); they are
+    allocated when None (inside a CUDA graph capture, pass them). Accumulation is fp32. With `deterministic` the
+    results are bitwise identical from run to run (the dQ partials of the key blocks are added in a fixed order,
+    at some cost in speed); otherwise dq may differ in the last bits between runs. Runs on `stream`.
+    """
+    h = stream_handle(stream)
+    arrays = as_arrays((dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv), h)
+    dov, qv, kv, vv, ov, lv, cq, ck, dqv, dkv, dvv = arrays
+    dims = check_backward(dov, qv, kv, vv, ov, lv, cq, ck, max_seqlen_q, max_seqlen_k, dqv, dkv, dvv)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(dims.head_dim)
+    softmax_scale = float(softmax_scale)
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
+    if dqv is None:
+        dqv = DeviceArray.empty(qv.shape, qv.dtype, qv.device, stream)
+    if dkv is None:
+        dkv = DeviceArray.empty(kv.shape, kv.dtype, kv.device, stream)
+    if dvv is None:
+        dvv = DeviceArray.empty(vv.shape, vv.dtype, vv.device, stream)
+    result = (dqv if dq is None else dq, dkv if dk is None else dk, dvv if dv is None else dv)
+    if dims.batch == 0 or (qv.size == 0 and kv.size == 0):
+        return result
+    key = ("attention_bwd", _key(dov), _key(qv), _key(kv), _key(vv), _key(ov), _key(lv), _key(cq), _key(dqv),
+           _key(dkv), _key(dvv), dims, causal, softmax_scale, bool(deterministic), tuning)
+    plan = PLANS.get(key)
+    if plan is None:
+        plan = PLANS.add(key, _plan((dov, qv, kv, vv, ov, lv, dqv, dkv, dvv), dims, causal, softmax_scale,
+                                    bool(deterministic), tuning or TUNING))
+    scratch = SCRATCH.acquire(qv.device, h, plan.scratch)
+    acc, stats, counter = scratch[:3]
+    order = scratch[3] if len(scratch) > 3 else 0
+    ptrs = (dov.ptr, qv.ptr, kv.ptr, vv.ptr, ov.ptr, lv.ptr, 0 if cq is None else cq.ptr,
+            0 if ck is None else ck.ptr, dqv.ptr, dkv.ptr, dvv.ptr, acc, stats, counter, order)
+    args = plan.memo.get(ptrs)
+    if args is None:
+        args = plan.memo.add(ptrs, _args(plan, dims, (dov, qv, ov, lv, dqv, dkv, dvv), ptrs))
+    prep_args, main_args, post_args = args
+    if plan.run_rows:
+        plan.prep.run(plan.row_grid, h, prep_args)
+    if plan.run_main:
+        plan.main.run(plan.grid, h, main_args)
+    if plan.run_rows:
+        plan.post.run(plan.row_grid, h, post_args)
+    return result
+
+
+def _args(plan: _Plan, dims: Dims, arrays, ptrs) -> tuple:
+    dov, qv, ov, lv, dqv, dkv, dvv = arrays
+    do_p, q_p, k_p, v_p, o_p, lse_p, cq_p, ck_p, dq_p, dk_p, dv_p, acc, stats, counter, order = ptrs
+    maps = sm90.thread_maps()
+    m_q, m_k, m_v, m_do, m_acc, m_dk, m_dv = plan.maps
+    lse_b, lse_h = (0, lv.strides[0]) if dims.varlen else (lv.strides[0], lv.strides[1])
+    seqlen_q = dims.seqlen_q
+    prep = (o_p, *_strides(ov, dims.varlen), do_p, *_strides(dov, dims.varlen), lse_p, lse_b, lse_h, stats,
+            plan.stat_head, acc, cq_p, seqlen_q)
+    post = (acc, dq_p, *_strides(dqv, dims.varlen), cq_p, seqlen_q, plan.scalars[-1])
+    if not plan.run_main:
+        return prep, None, post
+    dk_row, dk_head, _ = _strides(dkv, dims.varlen)
+    dv_row, dv_head, _ = _strides(dvv, dims.varlen)
+    main = (maps.get(m_q, q_p), maps.get(m_k, k_p), maps.get(m_v, v_p), maps.get(m_do, do_p), maps.get(m_acc, acc),
+            maps.get(m_dk, dk_p), maps.get(m_dv, dv_p), dk_p, dv_p, dk_row, dk_head, dv_row, dv_head, stats,
+            plan.stat_head, cq_p, ck_p, *plan.scalars, counter, order)
+    return prep, main, post

@@ -1,0 +1,544 @@
+// Attention backward: dQ, dK, dV of O = softmax(scale * Q K^T) V from dO, with the forward's log-sum-exp, for
+// 16-bit Q, K, V, O, dO (bf16 or fp16) and fp32 accumulation. attention_bwd_prep.cu runs before (dPsum = rowsum(dO
+// * O), the LSE in base 2, the dQ accumulator cleared) and after (dQ accumulator * scale -> 16 bits).
+//
+// Warp-specialised and persistent. A unit is (key block of BN = 128 keys, kv head, sequence): the CTA keeps the
+// block's K and V in shared memory and walks every query tile (BM = 64 rows) of every query head that reads this
+// kv head (GQA: dK and dV sum over the group in registers). Warpgroup 0: one thread streams Q (with its LSE) and dO
+// (with its dPsum) tiles through two STAGES-deep mbarrier rings with TMA; warp 1 adds each tile's dQ partial into
+// the fp32 dQ accumulator with TMA reduce-add. Warpgroups 1 and 2 own 64 keys each and per tile compute, with
+// wgmma:
+// - S^T = K Q^T and dP^T = V dO^T (keys as M: both from shared memory, K-major);
+// - P^T = 2^(S^T * scale log2 e - LSE) and dS^T = P^T (dP^T - dPsum) in registers (the LSE and dPsum of a query
+//   column come from shared memory);
+// - dV += P^T dO and dK += dS^T Q with P^T and dS^T straight from registers (the accumulator layout is wgmma's A
+//   register layout) and dO / Q as MN-major B operands; dV and dK stay in registers for the whole unit;
+// - dS^T goes to shared memory; dQ = dS K with dS as an MN-major A operand (both warpgroups' keys) and K as an
+//   MN-major B operand, each warpgroup taking half of the head dim; the fp32 partial goes through shared memory to
+//   the dQ writer warp.
+// Masks: keys past the sequence (their K rows may belong to the next packed sequence) and, causal, keys right of
+// the diagonal (bottom-right aligned: query i sees key j <= i + S_k - S_q) get P = 0; query tiles wholly above the
+// diagonal are never visited. Query rows past the sequence get P = 0 through their LSE (+inf, from the prep
+// kernel), so their dQ rows are exact zeros: a varlen tile's reduce-add adds zeros to the next sequence's rows.
+// DETERMINISTIC: the dQ partials of a query tile are added in key-block order (a per-tile semaphore; each writer
+// waits for the previous key block's reduction to complete in global memory before it adds its own).
+//
+// Compile-time parameters: IN_KIND, HEAD_DIM (64 or 128), BN (128), STAGES, CAUSAL, VARLEN, DETERMINISTIC.
+#include "common/epilogue.cuh"
+#include "common/pipeline.cuh"
+#include "common/scheduler.cuh"
+#include "common/wgmma_ops.cuh"
+
+#ifndef CAUSAL
+#define CAUSAL 0
+#endif
+#ifndef VARLEN
+#define VARLEN 0
+#endif
+#ifndef DETERMINISTIC
+#define DETERMINISTIC 0
+#endif
+
+typedef Wg16<IN_KIND>::type WgIn;
+
+constexpr int D = HEAD_DIM;
+constexpr int PANEL_COLS = 64;
+constexpr int PANELS = D / PANEL_COLS;
+constexpr int BM = 64;              // query rows a tile
+constexpr int CONSUMERS = 2;
+constexpr int KEYS = BN / CONSUMERS;  // keys a consumer warpgroup owns
+constexpr int THREADS = 128 * (CONSUMERS + 1);
+constexpr int Q_PANEL = BM * 128;   // one 64-column panel of a Q or dO tile
+constexpr int KV_PANEL = BN * 128;  // of a K or V block
+constexpr int Q_STAGE = PANELS * Q_PANEL;
+constexpr int KV_TILE = PANELS * KV_PANEL;
+constexpr int DS_TILE = BN * BM * 2;  // dS^T: BN key rows of BM 16-bit query columns (128 bytes)
+constexpr int DQ_BOX = BM * 128;      // 32 fp32 columns of the dQ partial
+constexpr int DQ_TILE = BM * D * 4;
+constexpr u32 Q_TX = BM * D * 2 + BM * 4;  // a tile and its LSE (or dPsum) row
+constexpr u32 KV_TX = 2 * BN * D * 2;
+constexpr int ACC_T = BM / 2;        // S^T, dP^T: m64nBM per warpgroup
+constexpr int ACC_KV = D / 2;        // dK, dV: m64nD
+constexpr int ACC_Q = D / 2 / CONSUMERS;  // dQ: m64n(D / 2)
+constexpr int Q_STEPS = BM / 16;     // k16 steps over a tile's queries
+static_assert(D == 64 || D == 128, "head dim 64 or 128");
+static_assert(KEYS == 64, "64 keys a consumer warpgroup");
+
+constexpr int LAUNCH_REGS = (65536 / THREADS) / 8 * 8;
+constexpr int PRODUCER_REGS = 40;
+constexpr int CONSUMER_REGS = 232;
+static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS * LAUNCH_REGS,
+              "setmaxnreg beyond the CTA's register allocation");
+
+// Shared memory (1024-byte aligned base): K | V | Q stages | dO stages | dS^T x 2 | dQ partial | LSE stages |
+// dPsum stages | barriers.
+constexpr int SMEM_K = 0;
+constexpr int SMEM_V = SMEM_K + KV_TILE;
+constexpr int SMEM_Q = SMEM_V + KV_TILE;
+constexpr int SMEM_DO = SMEM_Q + STAGES * Q_STAGE;
+constexpr int SMEM_DS = SMEM_DO + STAGES * Q_STAGE;
+constexpr int SMEM_DQ = SMEM_DS + 2 * DS_TILE;
+constexpr int SMEM_LSE = SMEM_DQ + DQ_TILE;
+constexpr int SMEM_DPSUM = SMEM_LSE + STAGES * BM * 4;
+constexpr int SMEM_BARS = SMEM_DPSUM + STAGES * BM * 4;
+// Q ring (2 x STAGES), dO ring (2 x STAGES), K/V full and empty, unit full [2] and empty [2], the unit indices [2]
+constexpr int SMEM_BYTES = SMEM_BARS + (4 * STAGES + 6) * 8 + 8;
+static_assert(PANELS * 64 * 128 <= DS_TILE * 2, "dK / dV panels are staged in the dS^T tiles");
+
+// Named barriers: dS^T of both consumers written; the dQ partial written (consumers -> writer); the dQ buffer free
+// again (writer -> consumers); 4 + c consumer c's own.
+constexpr int BAR_DS = 1, BAR_DQ_FULL = 2, BAR_DQ_EMPTY = 3, BAR_WG = 4;
+constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+
+typedef StageRing<STAGES, 0> Ring;
+typedef PipeState<STAGES> Pipe;
+
+#define POS_INF __int_as_float(0x7f800000u)
+
+// ---- work units --------------------------------------------------------------------------------------------------
+struct BwdUnit {
+  int n, hkv, b;          // key block, kv head, sequence
+  int q_off, k_off;       // first row of the sequence in the maps' row dimension (varlen; 0 when batched)
+  int map_b;              // the maps' batch coordinate
+  int sq, sk;             // the sequence's query and key lengths
+  int m_begin, m_end;     // query tiles that see a key of the block
+  int stat0;              // the sequence's first row in the LSE / dPsum rows (attention_bwd_prep.cu)
+  bool skip;              // the key block lies past the sequence
+};
+
+// The first query tile that sees key block n: query i sees key j when j <= i + sk - sq (causal).
+__device__ __forceinline__ int first_tile(int n, int sq, int sk) {
+  return CAUSAL ? max(0, n * BN - (sk - sq)) / BM : 0;
+}
+
+// Units (key block, kv head, sequence), key blocks fastest: a head's blocks run side by side and share its Q and
+// dO tiles in L2, and (causal) the longest block of a head comes first. A CTA starts with unit blockIdx.x and takes
+// the next from a global counter when its producer is ready for one (the long-first order balances itself); the
+// producer hands each index to the consumers and the dQ writer through a two-slot ring in shared memory. The last
+// CTA to finish sets the counter back to zero. In DETERMINISTIC mode this order matters too: the units a dQ
+// addition waits for (earlier key blocks of the head) were handed out before it, to CTAs that are running.
+struct BwdScheduler : PersistentUnits {
+  int n_blocks, heads_kv, seqlen_q, seqlen_k, s_pad;
+  const int* cu_q;
+  const int* cu_k;
+
+  __device__ __forceinline__ BwdScheduler(int heads_kv_, int batch, int seqlen_q_, int seqlen_k_, const int* cu_q_,
+                                          const int* cu_k_)
+      : PersistentUnits((seqlen_k_ + BN - 1) / BN * heads_kv_ * batch, 1), n_blocks((seqlen_k_ + BN - 1) / BN),
+        heads_kv(heads_kv_),
+        seqlen_q(seqlen_q_), seqlen_k(seqlen_k_), s_pad((seqlen_q_ + BM - 1) / BM * BM), cu_q(cu_q_),
+        cu_k(cu_k_) {}
+
+  __device__ __forceinline__ BwdUnit unit(int u) const {
+    BwdUnit t;
+    t.n = u % n_blocks;
+    const int rest = u / n_blocks;
+    t.hkv = rest % heads_kv;
+    t.b = rest / heads_kv;
+    if (VARLEN) {
+      t.q_off = __ldg(cu_q + t.b);
+      t.k_off = __ldg(cu_k + t.b);
+      t.sq = __ldg(cu_q + t.b + 1) - t.q_off;
+      t.sk = __ldg(cu_k + t.b + 1) - t.k_off;
+      t.map_b = 0;
+      t.stat0 = (t.q_off & ~3) + 128 * t.b;
+    } else {
+      t.q_off = t.k_off = 0;
+      t.sq = seqlen_q;
+      t.sk = seqlen_k;
+      t.map_b = t.b;
+      t.stat0 = t.b * s_pad;
+    }
+    t.skip = t.n * BN >= t.sk;
+    t.m_end = t.skip ? 0 : (t.sq + BM - 1) / BM;
+    t.m_begin = min(first_tile(t.n, t.sq, t.sk), t.m_end);
+    return t;
+  }
+};
+
+// ---- consumer pieces ---------------------------------------------------------------------------------------------
+// acc = A B^T for this consumer's 64 rows of a K or V block (A) and a Q or dO tile (B), both K-major over the head
+// dim (head-dim steps of 16: 32 bytes within a panel row, panels KV_PANEL / Q_PANEL apart).
+__device__ __forceinline__ void issue_t(float (&acc)[ACC_T], const u8* kv_rows, const u8* tile) {
+  const u64 da = wgmma_desc_sw128(kv_rows), db = wgmma_desc_sw128(tile);
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const u64 step = 2 * (kk % 4);
+    Wgmma<WgIn, BM>::template mma<0>(acc, da + (kk / 4) * (KV_PANEL >> 4) + step,
+                                     db + (kk / 4) * (Q_PANEL >> 4) + step, kk != 0);
+  }
+}
+
+// acc += A tile: A (P^T or dS^T) from registers, the tile (dO or Q) MN-major over the head dim, 16 query rows of
+// 128 bytes a step.
+__device__ __forceinline__ void issue_rs(float (&acc)[ACC_KV], const u32 (&a)[Q_STEPS][4], const u8* tile) {
+  const u64 db = wgmma_desc_mn_sw128(tile, Q_PANEL);
+#pragma unroll
+  for (int kk = 0; kk < Q_STEPS; ++kk) WgmmaRegA<WgIn, D>::template mma<1>(acc, a[kk], db + kk * ((16 * 128) >> 4), 1);
+}
+
+// dQ (this consumer's head-dim half) = dS K: dS^T in shared memory is dS as an MN-major A operand (its 64 query
+// columns one 128-byte panel), K MN-major over the head dim; 16 keys a step.
+__device__ __forceinline__ void issue_dq(float (&acc)[ACC_Q], const u8* ds, const u8* k_half) {
+  const u64 da = wgmma_desc_mn_sw128(ds, 0), db = wgmma_desc_mn_sw128(k_half, KV_PANEL);
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk)
+    Wgmma<WgIn, D / 2>::template mma<1, 1>(acc, da + kk * ((16 * 128) >> 4), db + kk * ((16 * 128) >> 4), kk != 0);
+}
+
+// An m64n64 accumulator packed as wgmma A fragments: k16 step kk takes columns 16 kk .. 16 kk + 15.
+__device__ __forceinline__ void to_fragments(u32 (&f)[Q_STEPS][4], const float (&x)[ACC_T]) {
+#pragma unroll
+  for (int kk = 0; kk < Q_STEPS; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) f[kk][r] = pack_f32x2<IN_KIND>(x[8 * kk + 2 * r], x[8 * kk + 2 * r + 1]);
+}
+
+// The fragments as this warpgroup's 64 rows of a 128-byte swizzled tile (the same matrices stmatrix_chunk writes).
+__device__ __forceinline__ void store_fragments(u8* rows, const u32 (&f)[Q_STEPS][4], int warp, int lane) {
+  const int row = warp * 16 + (lane / 8 % 2) * 8 + lane % 8;
+#pragma unroll
+  for (int kk = 0; kk < Q_STEPS; ++kk)
+    stmatrix_x4(rows + swizzled_offset<128>(row, 2 * kk + lane / 16), f[kk][0], f[kk][1], f[kk][2], f[kk][3]);
+}
+
+// The shared-memory base and the barriers at SMEM_BARS: the Q and dO rings, K / V full and empty, the unit slots'
+// full [2] and empty [2] barriers, then the two unit indices.
+struct BwdShared {
+  u8* base;
+  Ring q_ring, do_ring;
+  u64* kv_full;
+  u64* kv_empty;
+  u64* unit_full;
+  u64* unit_empty;
+  volatile int* unit_slot;
+
+  __device__ __forceinline__ BwdShared()
+      : base(opaque(smem_aligned_1024())), q_ring(base + SMEM_BARS), do_ring(base + SMEM_BARS + 2 * STAGES * 8),
+        kv_full(reinterpret_cast<u64*>(base + SMEM_BARS + 4 * STAGES * 8)), kv_empty(kv_full + 1),
+        unit_full(kv_full + 2), unit_empty(kv_full + 4), unit_slot(reinterpret_cast<volatile int*>(kv_full + 6)) {}
+};
+
+// Arrival counts of the barriers at SMEM_BARS: the Q and dO rings (full: the producer; empty: every consumer warp),
+// K / V full and empty, the unit slots' full (the producer) and empty (every consumer warp and the dQ writer).
+__device__ __forceinline__ u32 bar_arrivals(int i) {
+  constexpr u32 CONSUMER_WARPS = CONSUMERS * 4;
+  if (i < 4 * STAGES) return (i / STAGES) % 2 == 0 ? 1 : CONSUMER_WARPS;
+  i -= 4 * STAGES;
+  return i == 0 || i == 2 || i == 3 ? 1 : i == 1 ? CONSUMER_WARPS : CONSUMER_WARPS + 1;
+}
+
+// tm_q, tm_do: (head dim, rows, heads, batch) maps with boxes {64, BM, 1, 1}; tm_k, tm_v: boxes {64, BN, 1, 1};
+// tm_dk, tm_dv: boxes {64, 64, 1, 1}; tm_dq: the fp32 dQ accumulator with boxes {32, BM, 1, 1}; all 128-byte
+// swizzled. dk_out / dv_out with element strides (row, head): the outputs for varlen row-by-row stores.
+// stats: the prep kernel's LSE (base 2) rows then dPsum rows, `stat_head` floats a head. cu_q / cu_k: varlen
+// offsets. seqlen_q / seqlen_k: the lengths (varlen: the longest). group: query heads per kv head. scale_log2:
+// softmax scale * log2(e); scale: the softmax scale (dK). unit_counter: two ints, zero between launches;
+// semaphores (DETERMINISTIC): an int per (sequence, query head, query tile), zero between launches.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
+    const __grid_constant__ CUtensorMap_st tm_q, const __grid_constant__ CUtensorMap_st tm_k,
+    const __grid_constant__ CUtensorMap_st tm_v, const __grid_constant__ CUtensorMap_st tm_do,
+    const __grid_constant__ CUtensorMap_st tm_dq, const __grid_constant__ CUtensorMap_st tm_dk,
+    const __grid_constant__ CUtensorMap_st tm_dv, void* dk_out, void* dv_out, i64 dk_row, i64 dk_head,
+    i64 dv_row, i64 dv_head,
+    const float* stats,
+    i64 stat_head, const int* cu_q, const int* cu_k, int seqlen_q, int seqlen_k, int heads_kv, int batch,
+    int group, float scale_log2, float scale, int* unit_counter, int* semaphores) {
+  const int wg = warpgroup_index();
+  if (threadIdx.x == 0) {
+    u8* smem = smem_aligned_1024();
+    tma_prefetch_map(&tm_q);
+    tma_prefetch_map(&tm_k);
+    tma_prefetch_map(&tm_v);
+    tma_prefetch_map(&tm_do);
+    tma_prefetch_map(&tm_dq);
+    u64* bars = reinterpret_cast<u64*>(smem + SMEM_BARS);
+    for (int i = 0; i < 4 * STAGES + 6; ++i) mbar_init(&bars[i], bar_arrivals(i));
+    fence_barrier_init();
+  }
+  __syncthreads();
+  pdl_wait();
+  // Each role derives its pointers, sizes and thread indices after setmaxnreg (values live across it were spilled).
+  if (wg == 0) {
+    regs_decrease<PRODUCER_REGS>();
+    const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+    if (warp == 0) {  // ---- producer: the warp walks the units (its values warp-uniform), lane 0 issues ----
+      const BwdScheduler sched(heads_kv, batch, seqlen_q, seqlen_k, cu_q, cu_k);
+      const bool leader = lane == 0;
+      Pipe st;
+      for (int k = 0, u = sched.first;; ++k) {
+        const BwdShared sh;
+        u8* smem = sh.base;
+        mbar_wait(&sh.unit_empty[k & 1], ((k >> 1) & 1) ^ 1);
+        int next = 0;
+        if (leader) {
+          sh.unit_slot[k & 1] = u;
+          mbar_arrive(&sh.unit_full[k & 1]);
+          if (sched.more(u)) next = sched.step + atomicAdd(unit_counter, 1);
+        }
+        if (!sched.more(u)) break;
+        const BwdUnit t = sched.unit(u);
+        u = warp_uniform(next);
+        // every unit takes a phase of the K / V barriers (one past its sequence loads nothing)
+        mbar_wait(sh.kv_empty, (k & 1) ^ 1);
+        if (leader && t.skip) mbar_arrive(sh.kv_full);
+        if (leader && !t.skip) {
+          mbar_arrive_expect_tx(sh.kv_full, KV_TX);
+#pragma unroll
+          for (int p = 0; p < PANELS; ++p) {
+            tma_load_4d(smem + SMEM_K + p * KV_PANEL, &tm_k, sh.kv_full, p * PANEL_COLS, t.k_off + t.n * BN, t.hkv,
+                        t.map_b);
+            tma_load_4d(smem + SMEM_V + p * KV_PANEL, &tm_v, sh.kv_full, p * PANEL_COLS, t.k_off + t.n * BN, t.hkv,
+                        t.map_b);
+          }
+        }
+        for (int g = 0; g < group; ++g) {
+          const int hq = t.hkv * group + g;
+#pragma unroll 1
+          for (int m = t.m_begin; m < t.m_end; ++m) {
+            const int row = t.q_off + m * BM;
+            const float* lse = stats + (hq * stat_head + t.stat0 + m * BM);
+            const BwdShared shm;
+            u8* base = shm.base;
+            mbar_wait(&shm.q_ring.empty[st.stage], st.phase ^ 1);
+            if (leader) {
+              u64* qb = &shm.q_ring.full[st.stage];
+              mbar_arrive_expect_tx(qb, Q_TX);
+#pragma unroll
+              for (int p = 0; p < PANELS; ++p)
+                tma_load_4d(base + SMEM_Q + st.stage * Q_STAGE + p * Q_PANEL, &tm_q, qb, p * PANEL_COLS, row, hq,
+                            t.map_b);
+              bulk_load(base + SMEM_LSE + st.stage * BM * 4, lse, BM * 4, qb);
+            }
+            mbar_wait(&shm.do_ring.empty[st.stage], st.phase ^ 1);
+            if (leader) {
+              u64* db = &shm.do_ring.full[st.stage];
+              mbar_arrive_expect_tx(db, Q_TX);
+#pragma unroll
+              for (int p = 0; p < PANELS; ++p)
+                tma_load_4d(base + SMEM_DO + st.stage * Q_STAGE + p * Q_PANEL, &tm_do, db, p * PANEL_COLS, row, hq,
+                            t.map_b);
+              bulk_load(base + SMEM_DPSUM + st.stage * BM * 4, lse + heads_kv * group * stat_head, BM * 4, db);
+            }
+            st.advance();
+          }
+        }
+      }
+      if (leader) {  // the last CTA out resets the counters (every CTA has taken its last index before it counts)
+        fence_acq_rel_gpu();
+        if (atomicAdd(unit_counter + 1, 1) == int(gridDim.x) - 1) {
+          unit_counter[0] = 0;
+          unit_counter[1] = 0;
+        }
+        pdl_launch_dependents();
+      }
+    } else if (warp == 1) {  // ---- dQ writer: adds each tile's partial into the accumulator ----
+      const BwdShared sh;
+      u8* smem = sh.base;
+      const BwdScheduler sched(heads_kv, batch, seqlen_q, seqlen_k, cu_q, cu_k);
+      for (int k = 0, u = sched.first;; ++k) {
+        mbar_wait(&sh.unit_full[k & 1], (k >> 1) & 1);
+        u = warp_uniform(sh.unit_slot[k & 1]);
+        mbar_arrive_by_lane0(smem_u32(&sh.unit_empty[k & 1]), lane);
+        if (!sched.more(u)) break;
+        const BwdUnit t = sched.unit(u);
+        if (t.skip) continue;
+        for (int g = 0; g < group; ++g) {
+          const int hq = t.hkv * group + g;
+#pragma unroll 1
+          for (int m = t.m_begin; m < t.m_end; ++m) {
+            named_barrier(BAR_DQ_FULL, CONSUMER_THREADS + 32);
+            if (lane == 0) {
+              const int m_blocks = (seqlen_q + BM - 1) / BM;
+              int* sem = semaphores + (i64(t.b) * heads_kv * group + hq) * m_blocks + m;
+              if (DETERMINISTIC) {  // key block n adds after block n - 1 (blocks 0 .. the last that sees tile m)
+                while (load_acquire_gpu(sem) != t.n) {
+                }
+                fence_proxy_async_global();
+              }
+#pragma unroll
+              for (int j = 0; j < D / 32; ++j)
+                tma_reduce_add_4d(&tm_dq, smem + SMEM_DQ + j * DQ_BOX, j * 32, t.q_off + m * BM, hq, t.map_b);
+              bulk_commit();
+              if (DETERMINISTIC) {
+                bulk_wait<0>();  // the sum is in global memory, not just read out of shared memory
+                fence_proxy_async_global();
+                const bool last = (t.n + 1) * BN >= t.sk || first_tile(t.n + 1, t.sq, t.sk) > m;
+                store_release_gpu(sem, last ? 0 : t.n + 1);  // the last one leaves it zero for the next launch
+              } else {
+                bulk_wait_read<0>();
+              }
+            }
+            __syncwarp();
+            asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_EMPTY), "r"(CONSUMER_THREADS + 32) : "memory");
+          }
+        }
+      }
+      if (lane == 0) bulk_wait<0>();
+    }
+    return;
+  }
+
+  // ---- consumers: consumer c owns keys 64 c .. 64 c + 63 of every block ----
+  regs_increase<CONSUMER_REGS>();
+  const BwdShared sh;
+  const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
+  const BwdScheduler sched(heads_kv, batch, seqlen_q, seqlen_k, cu_q, cu_k);
+  u8* smem = sh.base;
+  const int c = wg - 1;
+  const int frag_row = warp * 16 + lane / 4;  // the thread's first key row within the consumer's 64
+  const int frag_col = 2 * (lane % 4);        // its first query column within a group of 8
+  Pipe st;
+  u32 tiles = 0;
+  float dv[ACC_KV], dk[ACC_KV];
+  for (int k = 0;; ++k) {
+    // (the unit slot is freed only after the epilogue, which reads the unit from it again)
+    mbar_wait(&sh.unit_full[k & 1], (k >> 1) & 1);
+    const int u = warp_uniform(sh.unit_slot[k & 1]);
+    if (!sched.more(u)) break;
+    const BwdUnit t = sched.unit(u);
+    const int key0 = t.n * BN + c * KEYS;  // the consumer's first key in the sequence
+    const int key = key0 + frag_row;
+#pragma unroll
+    for (int i = 0; i < ACC_KV; ++i) {
+      dv[i] = 0.f;
+      dk[i] = 0.f;
+    }
+    const u8* k_rows = smem + SMEM_K + c * KEYS * 128;
+    const u8* v_rows = smem + SMEM_V + c * KEYS * 128;
+    const u8* k_half = smem + SMEM_K + (c * D / 2 / PANEL_COLS) * KV_PANEL + (c * D / 2 % PANEL_COLS) * 2;
+    mbar_wait(sh.kv_full, k & 1);
+    for (int g = 0; g < group; ++g) {
+      for (int m = t.m_begin; m < t.m_end; ++m, ++tiles) {
+        const u8* q_tile = smem + SMEM_Q + st.stage * Q_STAGE;
+        const u8* do_tile = smem + SMEM_DO + st.stage * Q_STAGE;
+        float s[ACC_T], dp[ACC_T];
+        sh.q_ring.wait(st);
+        wgmma_fence();
+        issue_t(s, k_rows, q_tile);
+        wgmma_commit();
+        sh.do_ring.wait(st);
+        issue_t(dp, v_rows, do_tile);
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_registers(s);
+        // P^T = 2^(S^T scale log2 e - LSE), zero where masked
+        const u32 lse = smem_u32(smem + SMEM_LSE + st.stage * BM * 4) + frag_col * 4;
+        const int q0 = m * BM;
+        const bool masked = key0 + KEYS > t.sk || (CAUSAL && key0 + KEYS - 1 > q0 + t.sk - t.sq);
+#pragma unroll
+        for (int i = 0; i < ACC_T / 4; ++i) {
+          const float2 l = ld_shared_f32x2(lse + 32 * i);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            s[4 * i + 2 * h] = ex2(fmaf(s[4 * i + 2 * h], scale_log2, -l.x));
+            s[4 * i + 2 * h + 1] = ex2(fmaf(s[4 * i + 2 * h + 1], scale_log2, -l.y));
+          }
+        }
+        if (masked) {
+#pragma unroll
+          for (int i = 0; i < ACC_T / 4; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int kr = key + 8 * h, qc = q0 + 8 * i + frag_col + e;
+                if (!(kr < t.sk && (!CAUSAL || kr <= qc + t.sk - t.sq))) s[4 * i + 2 * h + e] = 0.f;
+              }
+        }
+        wgmma_wait<0>();
+        fence_registers(dp);
+        // dS^T = P^T (dP^T - dPsum)
+        const u32 dpsum = smem_u32(smem + SMEM_DPSUM + st.stage * BM * 4) + frag_col * 4;
+#pragma unroll
+        for (int i = 0; i < ACC_T / 4; ++i) {
+          const float2 ds = ld_shared_f32x2(dpsum + 32 * i);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            dp[4 * i + 2 * h] = s[4 * i + 2 * h] * (dp[4 * i + 2 * h] - ds.x);
+            dp[4 * i + 2 * h + 1] = s[4 * i + 2 * h + 1] * (dp[4 * i + 2 * h + 1] - ds.y);
+          }
+        }
+        u32 pf[Q_STEPS][4], dsf[Q_STEPS][4];
+        to_fragments(pf, s);
+        to_fragments(dsf, dp);
+        wgmma_fence();
+        issue_rs(dv, pf, do_tile);
+        issue_rs(dk, dsf, q_tile);
+        wgmma_commit();
+        // dS^T to shared memory for dQ (the tile two back is done: every consumer passed BAR_DS since)
+        u8* ds_tile = smem + SMEM_DS + (tiles & 1) * DS_TILE;
+        store_fragments(ds_tile + c * KEYS * 128, dsf, warp, lane);
+        fence_proxy_async_smem();
+        named_barrier(BAR_DS, CONSUMER_THREADS);
+        float dq[ACC_Q];
+        issue_dq(dq, ds_tile, k_half);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(dv);
+        fence_registers(dk);
+        fence_registers(dq);
+        fence_registers(pf);
+        fence_registers(dsf);
+        sh.q_ring.release_by_lane0(st.stage, 0, lane);
+        sh.do_ring.release_by_lane0(st.stage, 0, lane);
+        st.advance();
+        // the dQ partial to the writer (its previous reduction has read the buffer)
+        if (tiles != 0) named_barrier(BAR_DQ_EMPTY, CONSUMER_THREADS + 32);
+#pragma unroll
+        for (int j = 0; j < ACC_Q / 16; ++j)
+          f32_chunk<32>(dq, j, smem + SMEM_DQ + (c * (ACC_Q / 16) + j) * DQ_BOX, warp, lane);
+        fence_proxy_async_smem();
+        asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_FULL), "r"(CONSUMER_THREADS + 32) : "memory");
+      }
+    }
+    mbar_arrive_by_lane0(smem_u32(sh.kv_empty), lane);  // every wgmma that read K and V is done
+
+    // ---- epilogue: dK * scale and dV through this consumer's rows of the two dS^T tiles ----
+    // (the unit is decoded again from its slot: kept live across the loop, its fields were spilled)
+    const BwdUnit te = sched.unit(warp_uniform(sh.unit_slot[k & 1]));
+    mbar_arrive_by_lane0(smem_u32(&sh.unit_empty[k & 1]), lane);
+    if (te.skip) continue;
+    named_barrier(BAR_DS, CONSUMER_THREADS);  // the other consumer's last dQ has read them
+#pragma unroll
+    for (int i = 0; i < ACC_KV; ++i) dk[i] *= scale;
+    const int row0 = te.n * BN + c * KEYS;
+    const bool whole = !VARLEN || row0 + KEYS <= te.sk;
+    const auto store = [&](const float (&acc)[ACC_KV], const CUtensorMap_st* map, void* out, i64 out_row,
+                           i64 out_head) {
+#pragma unroll
+      for (int pn = 0; pn < PANELS; ++pn)
+        stmatrix_chunk<PANEL_COLS>(acc, pn, smem + SMEM_DS + pn * DS_TILE + c * KEYS * 128, warp, lane,
+                                   [](float a, float b) { return pack_f32x2<IN_KIND>(a, b); });
+      fence_proxy_async_smem();
+      named_barrier(BAR_WG + c, 128);
+      if (row0 < te.sk) {
+        if (whole) {
+          if (tid == 0) {
+#pragma unroll
+            for (int pn = 0; pn < PANELS; ++pn)
+              tma_store_4d(map, smem + SMEM_DS + pn * DS_TILE + c * KEYS * 128, pn * PANEL_COLS, te.k_off + row0,
+                           te.hkv, te.map_b);
+            bulk_commit();
+          }
+        } else {  // a varlen tail: only the sequence's rows, 16 bytes at a time
+          const int rows = te.sk - row0;
+          for (int gi = tid; gi < rows * (D / 8); gi += 128) {
+            const int r = gi / (D / 8), col = gi % (D / 8) * 8;
+            const u32x4 v = *reinterpret_cast<const u32x4*>(smem + SMEM_DS + (col / 64) * DS_TILE +
+                                                            c * KEYS * 128 + swizzled_offset<128>(r, col % 64 / 8));
+            *reinterpret_cast<u32x4*>(reinterpret_cast<u16*>(out) + (te.k_off + row0 + r) * out_row +
+                                      te.hkv * out_head + col) = v;
+          }
+        }
+      }
+      if (tid == 0) bulk_wait_read<0>();
+      named_barrier(BAR_WG + c, 128);
+    };
+    store(dk, &tm_dk, dk_out, dk_row, dk_head);
+    store(dv, &tm_dv, dv_out, dv_row, dv_head);
+  }
+  // the writer's arrival for the last tile
+  if (tiles != 0) named_barrier(BAR_DQ_EMPTY, CONSUMER_THREADS + 32);
+  epilogue_drain(tid);
+}

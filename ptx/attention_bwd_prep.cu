@@ -1,0 +1,127 @@
+// The row-wise kernels around the attention backward (attention_bwd.cu), one CTA per (64-row query tile, query head,
+// sequence), four threads a row:
+// - attention_bwd_prep: dPsum = rowsum(dO * O) in fp32 and the LSE in base 2 (LSE log2 e) into the stats rows the
+//   main kernel loads a tile at a time, and the row's fp32 dQ accumulator cleared. Every row of a visited tile is
+//   written: rows past the sequence, and rows that saw no key in the forward (LSE -inf), get LSE +inf (so P = 0)
+//   and dPsum 0.
+// - attention_bwd_dq: dQ = accumulator * softmax scale, to 16 bits.
+// Stats rows: a head's rows are `stat_head` floats; sequence b starts at b * S_pad (batched, S_pad = S_q rounded up
+// to 64) or at (q_off & ~3) + 128 b (varlen: 16-byte aligned for the bulk copies, and never reaching the next
+// sequence's rows however the tile rounds). The accumulator is [rows, heads, D] fp32 with rows b * S_q + i
+// (batched) or q_off + i (varlen).
+// Compile-time parameters: IN_KIND, HEAD_DIM, VARLEN.
+#include "common/epilogue.cuh"
+#include "common/memory.cuh"
+
+#ifndef VARLEN
+#define VARLEN 0
+#endif
+
+constexpr int D = HEAD_DIM;
+constexpr int ROWS = 64;
+constexpr int VECS = D / 8 / 4;  // 16-byte vectors (8 elements) a thread: every fourth of the row's
+
+struct RowTile {
+  int row;      // the thread's row in the sequence
+  int sq;       // the sequence's length
+  i64 acc_row;  // its row in the accumulator's row dimension
+  int stat;     // its index within a head's stats rows
+  int b;
+};
+
+__device__ __forceinline__ RowTile row_tile(const int* cu_q, int seqlen_q) {
+  RowTile t;
+  t.b = blockIdx.z;
+  t.row = blockIdx.x * ROWS + threadIdx.x / 4;
+  if (VARLEN) {
+    const int q_off = __ldg(cu_q + t.b);
+    t.sq = __ldg(cu_q + t.b + 1) - q_off;
+    t.acc_row = q_off + t.row;
+    t.stat = (q_off & ~3) + 128 * t.b + t.row;
+  } else {
+    t.sq = seqlen_q;
+    t.acc_row = i64(t.b) * seqlen_q + t.row;
+    t.stat = t.b * ((seqlen_q + ROWS - 1) / ROWS * ROWS) + t.row;
+  }
+  return t;
+}
+
+__device__ __forceinline__ float dot8(u32x4 a, u32x4 b) {
+  const u32 x[4] = {a.x, a.y, a.z, a.w}, y[4] = {b.x, b.y, b.z, b.w};
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float a0, a1, b0, b1;
+    if (IN_KIND == KIND_BF16) {
+      bf16x2_to_f32(x[i], a0, a1);
+      bf16x2_to_f32(y[i], b0, b1);
+    } else {
+      fp16x2_to_f32(x[i], a0, a1);
+      fp16x2_to_f32(y[i], b0, b1);
+    }
+    s = fmaf(a0, b0, fmaf(a1, b1, s));
+  }
+  return s;
+}
+
+// o / dout: element strides row, head, batch (batch unused when VARLEN). lse: the forward's, element (b, h, i) at
+// b * lse_b + h * lse_h + q_off + i. stats: LSE rows, then (heads * stat_head floats on) dPsum rows.
+extern "C" __global__ void __launch_bounds__(256) attention_bwd_prep(
+    const void* o, i64 o_row, i64 o_head, i64 o_batch, const void* dout, i64 do_row, i64 do_head, i64 do_batch,
+    const float* lse, i64 lse_b, i64 lse_h, float* stats, i64 stat_head, float* dq_acc, const int* cu_q,
+    int seqlen_q) {
+  pdl_wait();
+  const int h = blockIdx.y, heads = gridDim.y, part = threadIdx.x % 4;
+  const RowTile t = row_tile(cu_q, seqlen_q);
+  if (blockIdx.x * ROWS >= t.sq) return;  // the main kernel never visits this tile
+  const bool live = t.row < t.sq;
+  float dot = 0.f;
+  if (live) {
+    const i64 b_o = VARLEN ? 0 : t.b * o_batch, b_do = VARLEN ? 0 : t.b * do_batch;
+    const i64 r = VARLEN ? t.acc_row : t.row;
+    const u16* orow = reinterpret_cast<const u16*>(o) + b_o + r * o_row + h * o_head;
+    const u16* drow = reinterpret_cast<const u16*>(dout) + b_do + r * do_row + h * do_head;
+    float* acc = dq_acc + (t.acc_row * heads + h) * D;
+#pragma unroll
+    for (int v = 0; v < VECS; ++v) {
+      const int col = (v * 4 + part) * 8;
+      dot += dot8(ld_stream_16(orow + col), ld_stream_16(drow + col));
+      *reinterpret_cast<u32x4*>(acc + col) = u32x4{0, 0, 0, 0};
+      *reinterpret_cast<u32x4*>(acc + col + 4) = u32x4{0, 0, 0, 0};
+    }
+  }
+  dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+  dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+  if (part == 0) {
+    float l = __int_as_float(0x7f800000u);  // +inf: P = 0
+    if (live) {
+      const float x = lse[t.b * lse_b + h * lse_h + (VARLEN ? t.acc_row : t.row)];
+      if (x != __int_as_float(0xff800000u)) l = x * 1.4426950408889634f;
+    }
+    stats[h * stat_head + t.stat] = l;
+    stats[(heads + h) * stat_head + t.stat] = live ? dot : 0.f;
+  }
+  pdl_launch_dependents();
+}
+
+// dq: element strides row, head, batch (batch unused when VARLEN).
+extern "C" __global__ void __launch_bounds__(256) attention_bwd_dq(const float* dq_acc, void* dq, i64 dq_row,
+                                                                   i64 dq_head, i64 dq_batch, const int* cu_q,
+                                                                   int seqlen_q, float scale) {
+  pdl_wait();
+  const int h = blockIdx.y, heads = gridDim.y, part = threadIdx.x % 4;
+  const RowTile t = row_tile(cu_q, seqlen_q);
+  if (t.row >= t.sq) return;
+  const float* acc = dq_acc + (t.acc_row * heads + h) * D;
+  u16* out = reinterpret_cast<u16*>(dq) + (VARLEN ? 0 : t.b * dq_batch) + (VARLEN ? t.acc_row : t.row) * dq_row +
+             h * dq_head;
+#pragma unroll
+  for (int v = 0; v < VECS; ++v) {
+    const int col = (v * 4 + part) * 8;
+    const f32x4 a = *reinterpret_cast<const f32x4*>(acc + col), b = *reinterpret_cast<const f32x4*>(acc + col + 4);
+    *reinterpret_cast<u32x4*>(out + col) =
+        u32x4{pack_f32x2<IN_KIND>(a.x * scale, a.y * scale), pack_f32x2<IN_KIND>(a.z * scale, a.w * scale),
+              pack_f32x2<IN_KIND>(b.x * scale, b.y * scale), pack_f32x2<IN_KIND>(b.z * scale, b.w * scale)};
+  }
+  pdl_launch_dependents();
+}
