@@ -73,6 +73,14 @@ def graph_time_us(torch, run, n_sets: int = 1, iters: int = 20, repeats: int = 7
     return graph_times_us(torch, [run], n_sets, iters, repeats, warmup)[0]
 
 
+def graph_stream(torch):
+    """The side stream graphs are captured on (one for the process: our split-K workspace is per stream)."""
+    global _graph_stream
+    if _graph_stream is None:
+        _graph_stream = torch.cuda.Stream()
+    return _graph_stream
+
+
 def graph_times_us(torch, runs, n_sets: int = 1, iters: int = 20, repeats: int = 7, warmup: int = 3) -> list:
     """Device time per call of each `run(i, stream)` in `runs` (i rotating over n_sets; torch work goes to the
     current stream, ours must be given `stream`): `iters` calls captured in one CUDA graph per run on a side
@@ -82,10 +90,7 @@ def graph_times_us(torch, runs, n_sets: int = 1, iters: int = 20, repeats: int =
     The runs take turns, in order on even rounds and reversed on odd ones: at the 700 W power cap the clock falls
     while the board heats, so whatever is timed first on a cool board gains (H100, bench order peer then ours
     against ours then peer: 5-20% on the M = 4096 GEMMs)."""
-    global _graph_stream
-    if _graph_stream is None:
-        _graph_stream = torch.cuda.Stream()  # one for the process: our split-K workspace is per stream
-    stream = _graph_stream
+    stream = graph_stream(torch)
     stream.wait_stream(torch.cuda.current_stream())  # the inputs were just made on the current stream
     graphs = []
     for run in runs:
@@ -602,6 +607,87 @@ def _bench_attention_varlen(torch, attention) -> list[Row]:
                 peer=name, peer_us=peer)]
 
 
+def bench_attention_bwd(quick: bool = False, device: int = 0) -> list[Row]:
+    """The attention backward on the forward's grid (16384 tokens, hidden 2048, D 64 / 128, causal and not), GQA
+    32 / 8 at D 128, S 8192, causal, and varlen (mixed lengths 1..8192, causal), against cuDNN's backward (torch
+    SDPA, cuDNN backend: autograd.grad of its output, captured in the same graph-timed rounds; FA2's in context).
+    FLOPs: 2.5 times the forward's."""
+    from torch.nn.attention import SDPBackend
+
+    from .ops.attention import attention
+    from .ops.attention_bwd import HEAD_DIMS, attention_backward
+
+    torch = torch_or_none()
+    if torch is None:
+        raise RuntimeError("bench --op attention_bwd needs torch for the cuDNN peer")
+    cudnn, fa2 = _sdpa(torch, SDPBackend.CUDNN_ATTENTION), _sdpa(torch, SDPBackend.FLASH_ATTENTION)
+    grid = [(d, s, c) for d in HEAD_DIMS for c in (False, True) for s in ATTN_SEQLENS]
+    if quick:
+        grid = [(128, 4096, False), (128, 4096, True)]
+    cases = [(d, s, c, ATTN_HIDDEN // d, ATTN_HIDDEN // d) for d, s, c in grid]
+    if not quick:
+        cases.append((128, 8192, True, 32, 8))
+    rows = []
+    for d, s, causal, hq, hkv in cases:
+        b = ATTN_TOKENS // s
+        mk = lambda h: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+        q, k, v, do = mk(hq), mk(hkv), mk(hkv), mk(hq)
+        gqa = hq != hkv
+        out, lse = attention(q, k, v, causal=causal, return_lse=True)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+        def peer_run(sdpa):  # (autograd runs a backward op on its forward's stream: the capture stream)
+            qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+            graph_stream(torch).wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(graph_stream(torch)):
+                og = sdpa(qg, kg, vg, causal, gqa)
+            torch.cuda.synchronize()
+            dog = do.transpose(1, 2)
+            return lambda i, st: torch.autograd.grad(og, (qg, kg, vg), dog, retain_graph=True)
+        ours_run = lambda i, st: attention_backward(do, q, k, v, out, lse, causal=causal, dq=dq, dk=dk,  # noqa
+                                                    dv=dv, stream=st)
+        peer, ours = graph_times_us(torch, [peer_run(cudnn), ours_run], 1, iters=10)
+        try:
+            fa2_us = graph_time_us(torch, peer_run(fa2), 1, iters=10)
+        except Exception:  # noqa: BLE001 (a backend that does not take the case: no context number)
+            fa2_us = 0.0
+        label = f"S {s} D {d}{' causal' if causal else ''}{f' GQA {hq}/{hkv}' if gqa else ''}"
+        fl = 2.5 * attention_flops(b, hq, s, s, d, causal)
+        rows.append(Row("attention_bwd", label, ours, tflops=fl / 1e12, peer="cuDNN", peer_us=peer,
+                        extra={"fa2_us": fa2_us, "fa2_tflops": fl / 1e12 / (fa2_us * 1e-6) if fa2_us else 0.0}))
+        q = k = v = do = out = lse = dq = dk = dv = None
+    if not quick:
+        rows += _bench_attention_bwd_varlen(torch, attention, attention_backward)
+    return rows
+
+
+def _bench_attention_bwd_varlen(torch, attention, attention_backward) -> list[Row]:
+    lens = _varlen_lengths(ATTN_TOKENS, 8192)
+    h, d = ATTN_HIDDEN // 128, 128
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), device="cuda", dtype=torch.int32)
+    q, k, v, do = (torch.randn(ATTN_TOKENS, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    mx = max(lens)
+    kw = dict(causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx)
+    out, lse = attention(q, k, v, return_lse=True, **kw)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    ours_run = lambda i, st: attention_backward(do, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, stream=st,  # noqa
+                                                **kw)
+    fl = 2.5 * sum(attention_flops(1, h, n, n, d, True) for n in lens)
+    try:
+        o2, lse2, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, mx, mx, 0.0, True, False)
+        seed = torch.zeros(2, dtype=torch.int64, device="cuda")
+
+        def fa2(i, st):
+            return torch.ops.aten._flash_attention_backward(do, q, k, v, o2, lse2, cu, cu, mx, mx, 0.0, True,
+                                                            seed, seed)
+        peer, ours = graph_times_us(torch, [fa2, ours_run], 1, iters=10)
+        name = "FA2 varlen"
+    except Exception:  # noqa: BLE001
+        ours, peer, name = graph_time_us(torch, ours_run, 1, iters=10), 0.0, ""
+    return [Row("attention_bwd", f"varlen {len(lens)} seqs 1..8192 (16384 tokens) D 128 causal", ours,
+                tflops=fl / 1e12, peer=name, peer_us=peer)]
+
+
 BENCHES = {"quant": bench_quant, "gemm": bench_gemm, "gemm_fp8": bench_gemm_fp8,
            "gemm_fp8_grouped": bench_gemm_fp8_grouped, "host": bench_host,
-           "attention": bench_attention}
+           "attention": bench_attention, "attention_bwd": bench_attention_bwd}

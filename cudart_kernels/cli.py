@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     c.add_argument("--arch", help="target arch (default: the device's, or sm_90a without a GPU)")
     sub.add_parser("selftest", help="run each op against a reference (compile only without a GPU)")
     b = sub.add_parser("bench", help="benchmarks against same-run peers (protocol: docs/tuning.md)")
-    b.add_argument("--op", action="append", choices=["quant", "gemm", "gemm_fp8", "gemm_fp8_grouped", "host", "attention"])
+    b.add_argument("--op", action="append", choices=["quant", "gemm", "gemm_fp8", "gemm_fp8_grouped", "host", "attention", "attention_bwd"])
     b.add_argument("--json", help="write the rows to this JSON file")
     b.add_argument("--quick", action="store_true", help="fewer shapes")
     args = p.parse_args(argv)
