@@ -83,6 +83,7 @@ constexpr int SMEM_DPSUM = SMEM_LSE + STAGES * BM * 4;
 constexpr int SMEM_BARS = SMEM_DPSUM + STAGES * BM * 4;
 // Q ring (2 x STAGES), dO ring (2 x STAGES), K/V full and empty, unit full [2] and empty [2], the unit indices [2]
 constexpr int SMEM_BYTES = SMEM_BARS + (4 * STAGES + 6) * 8 + 8;
+static_assert(SMEM_BYTES + 1024 <= 227 * 1024, "shared memory beyond an SM90 CTA's opt-in limit");
 static_assert(PANELS * 64 * 128 <= DS_TILE * 2, "dK / dV panels are staged in the dS^T tiles");
 
 // Named barriers: dS^T of both consumers written; the dQ partial written (consumers -> writer); the dQ buffer free
@@ -231,19 +232,19 @@ __device__ __forceinline__ u32 bar_arrivals(int i) {
 // tm_q, tm_do: (head dim, rows, heads, batch) maps with boxes {64, BM, 1, 1}; tm_k, tm_v: boxes {64, BN, 1, 1};
 // tm_dk, tm_dv: boxes {64, 64, 1, 1}; tm_dq: the fp32 dQ accumulator with boxes {32, BM, 1, 1}; all 128-byte
 // swizzled. dk_out / dv_out with element strides (row, head): the outputs for varlen row-by-row stores.
-// stats: the prep kernel's LSE (base 2) rows then dPsum rows, `stat_head` floats a head. cu_q / cu_k: varlen
-// offsets. seqlen_q / seqlen_k: the lengths (varlen: the longest). group: query heads per kv head. scale_log2:
-// softmax scale * log2(e); scale: the softmax scale (dK). unit_counter: two ints, zero between launches;
-// semaphores (DETERMINISTIC): an int per (sequence, query head, query tile), zero between launches.
+// tm_stats: the prep kernel's LSE (base 2) rows then dPsum rows, (stat rows, 2 x query heads) fp32 with boxes
+// {BM, 1}. cu_q / cu_k: varlen offsets. seqlen_q / seqlen_k: the lengths (varlen: the longest). group: query heads
+// per kv head. scale_log2: softmax scale * log2(e); scale: the softmax scale (dK). unit_counter: two ints, zero
+// between launches; semaphores (DETERMINISTIC): an int per (sequence, query head, query tile), zero between
+// launches.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     const __grid_constant__ CUtensorMap_st tm_q, const __grid_constant__ CUtensorMap_st tm_k,
     const __grid_constant__ CUtensorMap_st tm_v, const __grid_constant__ CUtensorMap_st tm_do,
     const __grid_constant__ CUtensorMap_st tm_dq, const __grid_constant__ CUtensorMap_st tm_dk,
-    const __grid_constant__ CUtensorMap_st tm_dv, void* dk_out, void* dv_out, i64 dk_row, i64 dk_head,
-    i64 dv_row, i64 dv_head,
-    const float* stats,
-    i64 stat_head, const int* cu_q, const int* cu_k, int seqlen_q, int seqlen_k, int heads_kv, int batch,
-    int group, float scale_log2, float scale, int* unit_counter, int* semaphores) {
+    const __grid_constant__ CUtensorMap_st tm_dv, const __grid_constant__ CUtensorMap_st tm_stats, void* dk_out,
+    void* dv_out, i64 dk_row, i64 dk_head, i64 dv_row, i64 dv_head, const int* cu_q, const int* cu_k, int seqlen_q,
+    int seqlen_k, int heads_kv, int batch, int group, float scale_log2, float scale, int* unit_counter,
+    int* semaphores) {
   const int wg = warpgroup_index();
   if (threadIdx.x == 0) {
     u8* smem = smem_aligned_1024();
@@ -252,6 +253,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     tma_prefetch_map(&tm_v);
     tma_prefetch_map(&tm_do);
     tma_prefetch_map(&tm_dq);
+    tma_prefetch_map(&tm_stats);
     u64* bars = reinterpret_cast<u64*>(smem + SMEM_BARS);
     for (int i = 0; i < 4 * STAGES + 6; ++i) mbar_init(&bars[i], bar_arrivals(i));
     fence_barrier_init();
@@ -297,7 +299,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
 #pragma unroll 1
           for (int m = t.m_begin; m < t.m_end; ++m) {
             const int row = t.q_off + m * BM;
-            const float* lse = stats + (hq * stat_head + t.stat0 + m * BM);
+            const int stat = t.stat0 + m * BM;
             const BwdShared shm;
             u8* base = shm.base;
             mbar_wait(&shm.q_ring.empty[st.stage], st.phase ^ 1);
@@ -308,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
               for (int p = 0; p < PANELS; ++p)
                 tma_load_4d(base + SMEM_Q + st.stage * Q_STAGE + p * Q_PANEL, &tm_q, qb, p * PANEL_COLS, row, hq,
                             t.map_b);
-              bulk_load(base + SMEM_LSE + st.stage * BM * 4, lse, BM * 4, qb);
+              tma_load_2d(base + SMEM_LSE + st.stage * BM * 4, &tm_stats, qb, stat, hq);
             }
             mbar_wait(&shm.do_ring.empty[st.stage], st.phase ^ 1);
             if (leader) {
@@ -318,7 +320,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
               for (int p = 0; p < PANELS; ++p)
                 tma_load_4d(base + SMEM_DO + st.stage * Q_STAGE + p * Q_PANEL, &tm_do, db, p * PANEL_COLS, row, hq,
                             t.map_b);
-              bulk_load(base + SMEM_DPSUM + st.stage * BM * 4, lse + heads_kv * group * stat_head, BM * 4, db);
+              tma_load_2d(base + SMEM_DPSUM + st.stage * BM * 4, &tm_stats, db, stat, heads_kv * group + hq);
             }
             st.advance();
           }
@@ -333,10 +335,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         pdl_launch_dependents();
       }
     } else if (warp == 1) {  // ---- dQ writer: adds each tile's partial into the accumulator ----
-      const BwdShared sh;
-      u8* smem = sh.base;
       const BwdScheduler sched(heads_kv, batch, seqlen_q, seqlen_k, cu_q, cu_k);
       for (int k = 0, u = sched.first;; ++k) {
+        const BwdShared sh;  // (derived afresh, as in the producer)
+        u8* smem = sh.base;
         mbar_wait(&sh.unit_full[k & 1], (k >> 1) & 1);
         u = warp_uniform(sh.unit_slot[k & 1]);
         mbar_arrive_by_lane0(smem_u32(&sh.unit_empty[k & 1]), lane);
@@ -480,6 +482,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         fence_registers(dq);
         fence_registers(pf);
         fence_registers(dsf);
+        __syncwarp();  // every lane's LSE and dPsum reads come before lane 0 frees the stages
         sh.q_ring.release_by_lane0(st.stage, 0, lane);
         sh.do_ring.release_by_lane0(st.stage, 0, lane);
         st.advance();
@@ -506,6 +509,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     const bool whole = !VARLEN || row0 + KEYS <= te.sk;
     const auto store = [&](const float (&acc)[ACC_KV], const CUtensorMap_st* map, void* out, i64 out_row,
                            i64 out_head) {
+      // (addresses derived here from the base: computed once at the start, they were spilled)
+      u8* smem = opaque(sh.base);
 #pragma unroll
       for (int pn = 0; pn < PANELS; ++pn)
         stmatrix_chunk<PANEL_COLS>(acc, pn, smem + SMEM_DS + pn * DS_TILE + c * KEYS * 128, warp, lane,

@@ -138,10 +138,11 @@ for mode in (g.MCAST_NONE, g.MCAST_SHARE_A):
     assert np.isfinite(dw.numpy()).all()
 print("gemm_fp8 grouped sanitize cases ran")
 
-# Attention: a causal varlen case per head dim (empty and length-1 sequences, tails, GQA, S_q != S_k), checked
-# against the float64 reference, plus one batched non-causal case.
+# Attention: a causal varlen case per head dim (empty and length-1 sequences, tails, GQA, S_q != S_k), forward and
+# (head dims 64 and 128) backward, checked against the float64 reference, plus one batched non-causal case.
 from cudart_kernels import reference as attn_ref  # noqa: E402  (`ref` above is a GEMM result)
 from cudart_kernels.ops import attention as at  # noqa: E402
+from cudart_kernels.ops import attention_bwd as bwd  # noqa: E402
 
 lens_q, lens_k = [0, 1, 70, 130], [3, 1, 90, 129]
 cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
@@ -157,6 +158,17 @@ for d in at.HEAD_DIMS:
     want, _ = attn_ref.attention(xq, xk, xv, True, None, cq, ckv)
     got = o.numpy().astype(np.float64)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2, d
+    if d in bwd.HEAD_DIMS:  # the backward of the same case, in both modes
+        xdo = rng.standard_normal(xq.shape).astype(ck.bfloat16.numpy)
+        wants = attn_ref.attention_backward(xdo, xq, xk, xv, True, None, cq, ckv)
+        for det in (False, True):
+            grads = ck.attention_backward(
+                DeviceArray.from_numpy(xdo), DeviceArray.from_numpy(xq), DeviceArray.from_numpy(xk),
+                DeviceArray.from_numpy(xv), o, lse, causal=True, cu_seqlens_q=DeviceArray.from_numpy(cq),
+                cu_seqlens_k=DeviceArray.from_numpy(ckv), max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+                deterministic=det)
+            for g, w in zip(grads, wants):
+                assert np.linalg.norm(g.numpy().astype(np.float64) - w) / np.linalg.norm(w) < 2e-2, (d, det)
 xb = rng.standard_normal((2, 77, 2, 128)).astype(ck.bfloat16.numpy)
 o = ck.attention(DeviceArray.from_numpy(xb), DeviceArray.from_numpy(xb), DeviceArray.from_numpy(xb))
 want, _ = attn_ref.attention(xb, xb, xb)

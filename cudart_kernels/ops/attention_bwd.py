@@ -28,8 +28,8 @@ from .sm90 import MapLayout
 HEAD_DIMS = (64, 128)
 BM = 64         # query rows a tile (ptx/attention_bwd.cu)
 ROWS_PREP = 64  # query rows a CTA of the row kernels (ptx/attention_bwd_prep.cu)
-_MAIN_ARGS = ("tmap",) * 7 + ("ptr", "ptr", "i64", "i64", "i64", "i64", "ptr", "i64", "ptr", "ptr", "i32", "i32",
-                              "i32", "i32", "i32", "f32", "f32", "ptr", "ptr")
+_MAIN_ARGS = ("tmap",) * 8 + ("ptr", "ptr", "i64", "i64", "i64", "i64", "ptr", "ptr", "i32", "i32", "i32", "i32",
+                              "i32", "f32", "f32", "ptr", "ptr")
 _PREP_ARGS = ("ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "ptr", "i64", "ptr", "ptr",
               "i32")
 _DQ_ARGS = ("ptr", "ptr", "i64", "i64", "i64", "ptr", "i32", "f32")
@@ -144,6 +144,7 @@ def _stat_head(dims: Dims, rows: int) -> int:
         n = rows + 128 * dims.batch + ROWS_PREP
     else:
         n = dims.batch * (-(-dims.seqlen_q // ROWS_PREP) * ROWS_PREP)
+    n = max(n, BM)  # (no query rows: the main kernel still gets a valid map, which it never reads)
     return n + -n % 4
 
 
@@ -155,7 +156,7 @@ class _Plan:
     post: object
     grid: tuple
     row_grid: tuple
-    maps: tuple        # q, k, v, do, dq accumulator, dk, dv layouts
+    maps: tuple        # q, k, v, do, dq accumulator, dk, dv, stats layouts
     scalars: tuple
     scratch: tuple
     stat_head: int
@@ -185,7 +186,8 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
     stat_head = _stat_head(dims, rows_q)
     maps = (_map_layout(qv, dims.varlen, BM), _map_layout(kv, dims.varlen, cfg.bn),
             _map_layout(vv, dims.varlen, cfg.bn), _map_layout(dov, dims.varlen, BM), _acc_layout(dims, rows_q),
-            _map_layout(dkv, dims.varlen, 64), _map_layout(dvv, dims.varlen, 64))
+            _map_layout(dkv, dims.varlen, 64), _map_layout(dvv, dims.varlen, 64),
+            MapLayout(dt.float32, (stat_head, 2 * dims.heads_q), (stat_head * 4,), (BM, 1), 0))
     group = dims.heads_q // dims.heads_kv
     scalars = (dims.seqlen_q, dims.seqlen_k, dims.heads_kv, dims.batch, group, scale * math.log2(math.e), scale)
     m_blocks = -(-dims.seqlen_q // BM)
@@ -265,7 +267,7 @@ def _args(plan: _Plan, dims: Dims, arrays, ptrs) -> tuple:
     dov, qv, ov, lv, dqv, dkv, dvv = arrays
     do_p, q_p, k_p, v_p, o_p, lse_p, cq_p, ck_p, dq_p, dk_p, dv_p, acc, stats, counter, order = ptrs
     maps = sm90.thread_maps()
-    m_q, m_k, m_v, m_do, m_acc, m_dk, m_dv = plan.maps
+    m_q, m_k, m_v, m_do, m_acc, m_dk, m_dv, m_stats = plan.maps
     lse_b, lse_h = (0, lv.strides[0]) if dims.varlen else (lv.strides[0], lv.strides[1])
     seqlen_q = dims.seqlen_q
     prep = (o_p, *_strides(ov, dims.varlen), do_p, *_strides(dov, dims.varlen), lse_p, lse_b, lse_h, stats,
@@ -276,6 +278,6 @@ def _args(plan: _Plan, dims: Dims, arrays, ptrs) -> tuple:
     dk_row, dk_head, _ = _strides(dkv, dims.varlen)
     dv_row, dv_head, _ = _strides(dvv, dims.varlen)
     main = (maps.get(m_q, q_p), maps.get(m_k, k_p), maps.get(m_v, v_p), maps.get(m_do, do_p), maps.get(m_acc, acc),
-            maps.get(m_dk, dk_p), maps.get(m_dv, dv_p), dk_p, dv_p, dk_row, dk_head, dv_row, dv_head, stats,
-            plan.stat_head, cq_p, ck_p, *plan.scalars, counter, order)
+            maps.get(m_dk, dk_p), maps.get(m_dv, dv_p), maps.get(m_stats, stats), dk_p, dv_p, dk_row, dk_head,
+            dv_row, dv_head, cq_p, ck_p, *plan.scalars, counter, order)
     return prep, main, post

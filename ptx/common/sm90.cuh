@@ -145,12 +145,6 @@ __device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap_st* map, con
       :: "l"(map), "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
 
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) global -> shared, completing on `bar`.
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
-}
-
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
 // The shared-memory sources of all but the newest N committed stores/reduces may be reused.
