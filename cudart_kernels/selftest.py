@@ -197,10 +197,57 @@ def attention_cases():
             for d in (64, 128, 256) for c in (False, True) for vl in (False, True)]
 
 
+def _attention_bwd_case(rng, d, causal, varlen, deterministic):
+    from .ops.attention import attention
+    from .ops.attention_bwd import attention_backward
+    from .reference import attention_backward as ref_backward
+    import ml_dtypes
+
+    def rand(shape):
+        return rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+
+    if varlen:
+        lens_q, lens_k = [0, 1, 300, 129], [5, 1, 400, 129]
+        cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+        ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+        q, k, v, do = rand((cq[-1], 8, d)), rand((ck[-1], 2, d)), rand((ck[-1], 2, d)), rand((cq[-1], 8, d))
+        kw = dict(cu_seqlens_q=DeviceArray.from_numpy(cq), cu_seqlens_k=DeviceArray.from_numpy(ck),
+                  max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+        want = ref_backward(do, q, k, v, causal, None, cq, ck)
+    else:
+        q, k, v, do = rand((2, 257, 8, d)), rand((2, 1000, 2, d)), rand((2, 1000, 2, d)), rand((2, 257, 8, d))
+        kw = {}
+        want = ref_backward(do, q, k, v, causal)
+    qd, kd, vd = (DeviceArray.from_numpy(x) for x in (q, k, v))
+    out, lse = attention(qd, kd, vd, causal=causal, return_lse=True, **kw)
+    grads = [DeviceArray.empty(x.shape, "bfloat16").fill_bytes(0xFF) for x in (q, k, v)]
+    attention_backward(DeviceArray.from_numpy(do), qd, kd, vd, out, lse, causal=causal,
+                       deterministic=deterministic, dq=grads[0], dk=grads[1], dv=grads[2], **kw)
+    errs = []
+    for g, w in zip(grads, want):
+        got = g.numpy().astype(np.float64)
+        errs.append(np.linalg.norm(got - w) / max(np.linalg.norm(w), 1e-3 * np.sqrt(w.size))
+                    if np.isfinite(got).all() else np.inf)
+    return max(errs) <= 2e-2, "rel. Frobenius errors dq / dk / dv " + " / ".join(f"{e:.2e}" for e in errs) + \
+        " (limit 2e-2)"
+
+
+def attention_bwd_cases():
+    from .ops.attention_bwd import HEAD_DIMS
+
+    return [(f"attention backward D {d}{' causal' if c else ''}{' varlen' if vl else ' 257 x 1000 GQA 8/2'}"
+             f"{' deterministic' if det else ''}",
+             lambda rng, d=d, c=c, vl=vl, det=det: _attention_bwd_case(rng, d, c, vl, det))
+            for d in HEAD_DIMS for c in (False, True) for vl in (False, True) for det in (False, True)
+            if not det or (c and vl)]
+
+
 def run() -> bool:
     rng = np.random.default_rng()
     results = []
-    for name, case in cases() + gemm_cases() + gemm_fp8_cases() + grouped_fp8_cases() + attention_cases():
+    all_cases = (cases() + gemm_cases() + gemm_fp8_cases() + grouped_fp8_cases() + attention_cases()
+                 + attention_bwd_cases())
+    for name, case in all_cases:
         try:
             ok, detail = case(rng)
         except Exception as e:  # report and keep going

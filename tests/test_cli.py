@@ -34,3 +34,14 @@ def test_selftest_without_gpu_compiles():
 
 def test_bench_rejects_unknown_op():
     assert run("bench", "--op", "nope").returncode == 2
+
+
+def test_core_and_torch_layer_import_no_torch():
+    """`import cudart_kernels` and `import cudart_kernels.torch` leave torch unimported (torch is imported when a
+    function of the torch layer is first looked up)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, cudart_kernels, cudart_kernels.torch as ckt; "
+            "assert 'torch' not in sys.modules, 'torch imported'; assert ckt.__all__ == ['attention']")
+    subprocess.run([sys.executable, "-c", code], check=True)
