@@ -82,13 +82,13 @@ constexpr int SMEM_LSE = SMEM_DQ + DQ_TILE;
 constexpr int SMEM_DPSUM = SMEM_LSE + STAGES * BM * 4;
 constexpr int SMEM_BARS = SMEM_DPSUM + STAGES * BM * 4;
 // Q ring (2 x STAGES), dO ring (2 x STAGES), K/V full and empty, unit full [2] and empty [2], the unit indices [2]
-constexpr int SMEM_BYTES = SMEM_BARS + (4 * STAGES + 6) * 8 + 8;
+constexpr int SMEM_BYTES = SMEM_BARS + (4 * STAGES + 10) * 8 + 8;
 static_assert(SMEM_BYTES + 1024 <= 227 * 1024, "shared memory beyond an SM90 CTA's opt-in limit");
 static_assert(PANELS * 64 * 128 <= DS_TILE * 2, "dK / dV panels are staged in the dS^T tiles");
 
-// Named barriers: dS^T of both consumers written; the dQ partial written (consumers -> writer); the dQ buffer free
-// again (writer -> consumers); 4 + c consumer c's own.
-constexpr int BAR_DS = 1, BAR_DQ_FULL = 2, BAR_DQ_EMPTY = 3, BAR_WG = 4;
+// Named barriers, each consumer c its own: its dQ half written (consumer -> writer), its dQ half free again
+// (writer -> consumer), its turn to issue GEMMs, its warpgroup; and both consumers together.
+constexpr int BAR_DQ_FULL = 1, BAR_DQ_EMPTY = 3, BAR_TURN = 5, BAR_WG = 7, BAR_CONSUMERS = 9;
 constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
 
 typedef StageRing<STAGES, 0> Ring;
@@ -187,6 +187,13 @@ __device__ __forceinline__ void issue_dq(float (&acc)[ACC_Q], const u8* ds, cons
     Wgmma<WgIn, D / 2>::template mma<1, 1>(acc, da + kk * ((16 * 128) >> 4), db + kk * ((16 * 128) >> 4), kk != 0);
 }
 
+// The consumers take turns issuing GEMMs (named barriers): one's softmax and dS run under the other's GEMMs.
+__device__ __forceinline__ void turn_wait(int c) { named_barrier(BAR_TURN + c, CONSUMER_THREADS); }
+
+__device__ __forceinline__ void turn_pass(int c) {
+  asm volatile("bar.arrive %0, %1;" :: "r"(BAR_TURN + (c + 1) % CONSUMERS), "r"(CONSUMER_THREADS) : "memory");
+}
+
 // An m64n64 accumulator packed as wgmma A fragments: k16 step kk takes columns 16 kk .. 16 kk + 15.
 __device__ __forceinline__ void to_fragments(u32 (&f)[Q_STEPS][4], const float (&x)[ACC_T]) {
 #pragma unroll
@@ -212,21 +219,25 @@ struct BwdShared {
   u64* kv_empty;
   u64* unit_full;
   u64* unit_empty;
+  u64* ds_full;   // [2]: a dS^T tile written by both consumers
+  u64* ds_empty;  // [2]: a dS^T tile read by both consumers' dQ
   volatile int* unit_slot;
 
   __device__ __forceinline__ BwdShared()
       : base(opaque(smem_aligned_1024())), q_ring(base + SMEM_BARS), do_ring(base + SMEM_BARS + 2 * STAGES * 8),
         kv_full(reinterpret_cast<u64*>(base + SMEM_BARS + 4 * STAGES * 8)), kv_empty(kv_full + 1),
-        unit_full(kv_full + 2), unit_empty(kv_full + 4), unit_slot(reinterpret_cast<volatile int*>(kv_full + 6)) {}
+        unit_full(kv_full + 2), unit_empty(kv_full + 4), ds_full(kv_full + 6), ds_empty(kv_full + 8),
+        unit_slot(reinterpret_cast<volatile int*>(kv_full + 10)) {}
 };
 
 // Arrival counts of the barriers at SMEM_BARS: the Q and dO rings (full: the producer; empty: every consumer warp),
-// K / V full and empty, the unit slots' full (the producer) and empty (every consumer warp and the dQ writer).
+// K / V full and empty, the unit slots' full (the producer) and empty (every consumer warp and the dQ writer), the
+// dS^T tiles' full and empty (every consumer warp).
 __device__ __forceinline__ u32 bar_arrivals(int i) {
   constexpr u32 CONSUMER_WARPS = CONSUMERS * 4;
   if (i < 4 * STAGES) return (i / STAGES) % 2 == 0 ? 1 : CONSUMER_WARPS;
   i -= 4 * STAGES;
-  return i == 0 || i == 2 || i == 3 ? 1 : i == 1 ? CONSUMER_WARPS : CONSUMER_WARPS + 1;
+  return i == 0 || i == 2 || i == 3 ? 1 : i == 4 || i == 5 ? CONSUMER_WARPS + 1 : CONSUMER_WARPS;
 }
 
 // tm_q, tm_do: (head dim, rows, heads, batch) maps with boxes {64, BM, 1, 1}; tm_k, tm_v: boxes {64, BN, 1, 1};
@@ -255,7 +266,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     tma_prefetch_map(&tm_dq);
     tma_prefetch_map(&tm_stats);
     u64* bars = reinterpret_cast<u64*>(smem + SMEM_BARS);
-    for (int i = 0; i < 4 * STAGES + 6; ++i) mbar_init(&bars[i], bar_arrivals(i));
+    for (int i = 0; i < 4 * STAGES + 10; ++i) mbar_init(&bars[i], bar_arrivals(i));
     fence_barrier_init();
   }
   __syncthreads();
@@ -349,30 +360,34 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
           const int hq = t.hkv * group + g;
 #pragma unroll 1
           for (int m = t.m_begin; m < t.m_end; ++m) {
-            named_barrier(BAR_DQ_FULL, CONSUMER_THREADS + 32);
-            if (lane == 0) {
-              const int m_blocks = (seqlen_q + BM - 1) / BM;
-              int* sem = semaphores + (i64(t.b) * heads_kv * group + hq) * m_blocks + m;
-              if (DETERMINISTIC) {  // key block n adds after block n - 1 (blocks 0 .. the last that sees tile m)
-                while (load_acquire_gpu(sem) != t.n) {
-                }
-                fence_proxy_async_global();
-              }
+            const int m_blocks = (seqlen_q + BM - 1) / BM;
+            int* sem = semaphores + (i64(t.b) * heads_kv * group + hq) * m_blocks + m;
+            // each consumer's half as soon as it is there (the consumers run half a tile apart)
 #pragma unroll
-              for (int j = 0; j < D / 32; ++j)
-                tma_reduce_add_4d(&tm_dq, smem + SMEM_DQ + j * DQ_BOX, j * 32, t.q_off + m * BM, hq, t.map_b);
-              bulk_commit();
-              if (DETERMINISTIC) {
-                bulk_wait<0>();  // the sum is in global memory, not just read out of shared memory
-                fence_proxy_async_global();
-                const bool last = (t.n + 1) * BN >= t.sk || first_tile(t.n + 1, t.sq, t.sk) > m;
-                store_release_gpu(sem, last ? 0 : t.n + 1);  // the last one leaves it zero for the next launch
-              } else {
-                bulk_wait_read<0>();
+            for (int c = 0; c < CONSUMERS; ++c) {
+              named_barrier(BAR_DQ_FULL + c, 128 + 32);
+              if (lane == 0) {
+                if (DETERMINISTIC && c == 0) {  // key block n adds after block n - 1 (blocks 0 .. the last that sees m)
+                  while (load_acquire_gpu(sem) != t.n) {
+                  }
+                  fence_proxy_async_global();
+                }
+#pragma unroll
+                for (int j = c * D / 64; j < (c + 1) * D / 64; ++j)
+                  tma_reduce_add_4d(&tm_dq, smem + SMEM_DQ + j * DQ_BOX, j * 32, t.q_off + m * BM, hq, t.map_b);
+                bulk_commit();
+                if (DETERMINISTIC && c == CONSUMERS - 1) {
+                  bulk_wait<0>();  // the sum is in global memory, not just read out of shared memory
+                  fence_proxy_async_global();
+                  const bool last = (t.n + 1) * BN >= t.sk || first_tile(t.n + 1, t.sq, t.sk) > m;
+                  store_release_gpu(sem, last ? 0 : t.n + 1);  // the last one leaves it zero for the next launch
+                } else {
+                  bulk_wait_read<0>();
+                }
               }
+              __syncwarp();
+              asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_EMPTY + c), "r"(128 + 32) : "memory");
             }
-            __syncwarp();
-            asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_EMPTY), "r"(CONSUMER_THREADS + 32) : "memory");
           }
         }
       }
@@ -391,8 +406,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
   const int frag_row = warp * 16 + lane / 4;  // the thread's first key row within the consumer's 64
   const int frag_col = 2 * (lane % 4);        // its first query column within a group of 8
   Pipe st;
-  u32 tiles = 0;
+  u32 tiles = 0, dq_sent = 0;
   float dv[ACC_KV], dk[ACC_KV];
+  if (c == CONSUMERS - 1) turn_pass(c);  // consumer 0 issues first
   for (int k = 0;; ++k) {
     // (the unit slot is freed only after the epilogue, which reads the unit from it again)
     mbar_wait(&sh.unit_full[k & 1], (k >> 1) & 1);
@@ -410,18 +426,36 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     const u8* v_rows = smem + SMEM_V + c * KEYS * 128;
     const u8* k_half = smem + SMEM_K + (c * D / 2 / PANEL_COLS) * KV_PANEL + (c * D / 2 % PANEL_COLS) * 2;
     mbar_wait(sh.kv_full, k & 1);
+    // dQ of a tile is issued with the next tile's dV and dK (or after the unit's last tile): its dS^T then comes
+    // from both consumers without either waiting, and the two run half a tile apart (they take turns issuing).
+    const auto issue_dq_of = [&](float (&acc)[ACC_Q], u32 tile) {
+      mbar_wait(&sh.ds_full[tile & 1], (tile >> 1) & 1);
+      issue_dq(acc, smem + SMEM_DS + (tile & 1) * DS_TILE, k_half);
+    };
+    // this consumer's dQ half to the writer, once its previous reduction has read the buffer
+    const auto send_dq = [&](const float (&acc)[ACC_Q]) {
+      if (dq_sent++ != 0) named_barrier(BAR_DQ_EMPTY + c, 128 + 32);
+#pragma unroll
+      for (int j = 0; j < ACC_Q / 16; ++j)
+        f32_chunk<32>(acc, j, smem + SMEM_DQ + (c * (ACC_Q / 16) + j) * DQ_BOX, warp, lane);
+      fence_proxy_async_smem();
+      asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_FULL + c), "r"(128 + 32) : "memory");
+    };
+    bool first = true;
     for (int g = 0; g < group; ++g) {
       for (int m = t.m_begin; m < t.m_end; ++m, ++tiles) {
         const u8* q_tile = smem + SMEM_Q + st.stage * Q_STAGE;
         const u8* do_tile = smem + SMEM_DO + st.stage * Q_STAGE;
         float s[ACC_T], dp[ACC_T];
         sh.q_ring.wait(st);
+        sh.do_ring.wait(st);
+        turn_wait(c);
         wgmma_fence();
         issue_t(s, k_rows, q_tile);
         wgmma_commit();
-        sh.do_ring.wait(st);
         issue_t(dp, v_rows, do_tile);
         wgmma_commit();
+        turn_pass(c);
         wgmma_wait<1>();
         fence_registers(s);
         // P^T = 2^(S^T scale log2 e - LSE), zero where masked
@@ -464,36 +498,57 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         u32 pf[Q_STEPS][4], dsf[Q_STEPS][4];
         to_fragments(pf, s);
         to_fragments(dsf, dp);
+        // dS^T into its tile, once both consumers' dQ of the tile two back has read it
+        const int buf = tiles & 1;
+        mbar_wait(&sh.ds_empty[buf], ((tiles >> 1) & 1) ^ 1);
+        store_fragments(smem + SMEM_DS + buf * DS_TILE + c * KEYS * 128, dsf, warp, lane);
+        fence_proxy_async_smem();
+        __syncwarp();
+        mbar_arrive_by_lane0(smem_u32(&sh.ds_full[buf]), lane);
+        turn_wait(c);
         wgmma_fence();
         issue_rs(dv, pf, do_tile);
         issue_rs(dk, dsf, q_tile);
-        wgmma_commit();
-        // dS^T to shared memory for dQ (the tile two back is done: every consumer passed BAR_DS since)
-        u8* ds_tile = smem + SMEM_DS + (tiles & 1) * DS_TILE;
-        store_fragments(ds_tile + c * KEYS * 128, dsf, warp, lane);
-        fence_proxy_async_smem();
-        named_barrier(BAR_DS, CONSUMER_THREADS);
-        float dq[ACC_Q];
-        issue_dq(dq, ds_tile, k_half);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(dv);
-        fence_registers(dk);
-        fence_registers(dq);
-        fence_registers(pf);
-        fence_registers(dsf);
-        __syncwarp();  // every lane's LSE and dPsum reads come before lane 0 frees the stages
-        sh.q_ring.release_by_lane0(st.stage, 0, lane);
-        sh.do_ring.release_by_lane0(st.stage, 0, lane);
-        st.advance();
-        // the dQ partial to the writer (its previous reduction has read the buffer)
-        if (tiles != 0) named_barrier(BAR_DQ_EMPTY, CONSUMER_THREADS + 32);
-#pragma unroll
-        for (int j = 0; j < ACC_Q / 16; ++j)
-          f32_chunk<32>(dq, j, smem + SMEM_DQ + (c * (ACC_Q / 16) + j) * DQ_BOX, warp, lane);
-        fence_proxy_async_smem();
-        asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_FULL), "r"(CONSUMER_THREADS + 32) : "memory");
+        const auto release_stage = [&]() {
+          fence_registers(dv);
+          fence_registers(dk);
+          fence_registers(pf);
+          fence_registers(dsf);
+          __syncwarp();  // every lane's LSE and dPsum reads come before lane 0 frees the stages
+          sh.q_ring.release_by_lane0(st.stage, 0, lane);
+          sh.do_ring.release_by_lane0(st.stage, 0, lane);
+          st.advance();
+        };
+        if (first) {
+          wgmma_commit();
+          turn_pass(c);
+          wgmma_wait<0>();
+        } else {  // and the previous tile's dQ, whose dS^T both consumers have written by now
+          float dq[ACC_Q];
+          issue_dq_of(dq, tiles - 1);
+          wgmma_commit();
+          turn_pass(c);
+          wgmma_wait<0>();
+          fence_registers(dq);
+          mbar_arrive_by_lane0(smem_u32(&sh.ds_empty[(tiles - 1) & 1]), lane);
+          release_stage();
+          send_dq(dq);
+        }
+        if (first) release_stage();
+        first = false;
       }
+    }
+    if (!first) {  // the unit's last dQ
+      float dq[ACC_Q];
+      turn_wait(c);
+      wgmma_fence();
+      issue_dq_of(dq, tiles - 1);
+      wgmma_commit();
+      turn_pass(c);
+      wgmma_wait<0>();
+      fence_registers(dq);
+      mbar_arrive_by_lane0(smem_u32(&sh.ds_empty[(tiles - 1) & 1]), lane);
+      send_dq(dq);
     }
     mbar_arrive_by_lane0(smem_u32(sh.kv_empty), lane);  // every wgmma that read K and V is done
 
@@ -502,7 +557,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     const BwdUnit te = sched.unit(warp_uniform(sh.unit_slot[k & 1]));
     mbar_arrive_by_lane0(smem_u32(&sh.unit_empty[k & 1]), lane);
     if (te.skip) continue;
-    named_barrier(BAR_DS, CONSUMER_THREADS);  // the other consumer's last dQ has read them
+    named_barrier(BAR_CONSUMERS, CONSUMER_THREADS);  // the other consumer's last dQ has read the dS^T tiles
 #pragma unroll
     for (int i = 0; i < ACC_KV; ++i) dk[i] *= scale;
     const int row0 = te.n * BN + c * KEYS;
@@ -543,7 +598,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     store(dk, &tm_dk, dk_out, dk_row, dk_head);
     store(dv, &tm_dv, dv_out, dv_row, dv_head);
   }
-  // the writer's arrival for the last tile
-  if (tiles != 0) named_barrier(BAR_DQ_EMPTY, CONSUMER_THREADS + 32);
+  // the writer's arrival for the last dQ half; the last turn handed round
+  if (dq_sent != 0) named_barrier(BAR_DQ_EMPTY + c, 128 + 32);
+  if (c == 0) turn_wait(c);
   epilogue_drain(tid);
 }
