@@ -98,7 +98,7 @@ typedef PipeState<STAGES> Pipe;
 
 // ---- work units --------------------------------------------------------------------------------------------------
 struct BwdUnit {
-  int n, hkv, b;          // key block, kv head, sequence
+  int n, hq, hkv, b;      // key block, query head, its kv head, sequence
   int q_off, k_off;       // first row of the sequence in the maps' row dimension (varlen; 0 when batched)
   int map_b;              // the maps' batch coordinate
   int sq, sk;             // the sequence's query and key lengths
@@ -112,30 +112,32 @@ __device__ __forceinline__ int first_tile(int n, int sq, int sk) {
   return CAUSAL ? max(0, n * BN - (sk - sq)) / BM : 0;
 }
 
-// Units (key block, kv head, sequence), key blocks fastest: a head's blocks run side by side and share its Q and
-// dO tiles in L2, and (causal) the longest block of a head comes first. A CTA starts with unit blockIdx.x and takes
-// the next from a global counter when its producer is ready for one (the long-first order balances itself); the
-// producer hands each index to the consumers and the dQ writer through a two-slot ring in shared memory. The last
-// CTA to finish sets the counter back to zero. In DETERMINISTIC mode this order matters too: the units a dQ
-// addition waits for (earlier key blocks of the head) were handed out before it, to CTAs that are running.
+// Units (key block, query head, sequence), key blocks fastest: a head's blocks run side by side and share its Q
+// and dO tiles in L2, and (causal) the longest block of a head comes first. GQA: the query heads of a kv head each
+// have their units (as many as without GQA, the same L2 footprint), whose dK and dV are summed in fp32 (the
+// epilogue). A CTA starts with unit blockIdx.x and takes the next from a global counter when its producer is ready
+// for one (the long-first order balances itself); the producer hands each index to the consumers and the dQ
+// writer through a two-slot ring in shared memory. The last CTA to finish sets the counter back to zero. In
+// DETERMINISTIC mode this order matters too: the units an addition waits for (earlier key blocks of the head for
+// dQ, earlier query heads of the group for dK and dV) were handed out before it, to CTAs that are running.
 struct BwdScheduler : PersistentUnits {
-  int n_blocks, heads_kv, seqlen_q, seqlen_k, s_pad;
+  int n_blocks, heads_q, group, seqlen_q, seqlen_k, s_pad;
   const int* cu_q;
   const int* cu_k;
 
-  __device__ __forceinline__ BwdScheduler(int heads_kv_, int batch, int seqlen_q_, int seqlen_k_, const int* cu_q_,
-                                          const int* cu_k_)
-      : PersistentUnits((seqlen_k_ + BN - 1) / BN * heads_kv_ * batch, 1), n_blocks((seqlen_k_ + BN - 1) / BN),
-        heads_kv(heads_kv_),
-        seqlen_q(seqlen_q_), seqlen_k(seqlen_k_), s_pad((seqlen_q_ + BM - 1) / BM * BM), cu_q(cu_q_),
-        cu_k(cu_k_) {}
+  __device__ __forceinline__ BwdScheduler(int heads_q_, int group_, int batch, int seqlen_q_, int seqlen_k_,
+                                          const int* cu_q_, const int* cu_k_)
+      : PersistentUnits((seqlen_k_ + BN - 1) / BN * heads_q_ * batch, 1), n_blocks((seqlen_k_ + BN - 1) / BN),
+        heads_q(heads_q_), group(group_), seqlen_q(seqlen_q_), seqlen_k(seqlen_k_),
+        s_pad((seqlen_q_ + BM - 1) / BM * BM), cu_q(cu_q_), cu_k(cu_k_) {}
 
   __device__ __forceinline__ BwdUnit unit(int u) const {
     BwdUnit t;
     t.n = u % n_blocks;
     const int rest = u / n_blocks;
-    t.hkv = rest % heads_kv;
-    t.b = rest / heads_kv;
+    t.hq = rest % heads_q;
+    t.hkv = t.hq / group;
+    t.b = rest / heads_q;
     if (VARLEN) {
       t.q_off = __ldg(cu_q + t.b);
       t.k_off = __ldg(cu_k + t.b);
@@ -254,8 +256,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     const __grid_constant__ CUtensorMap_st tm_dq, const __grid_constant__ CUtensorMap_st tm_dk,
     const __grid_constant__ CUtensorMap_st tm_dv, const __grid_constant__ CUtensorMap_st tm_stats, void* dk_out,
     void* dv_out, i64 dk_row, i64 dk_head, i64 dv_row, i64 dv_head, const int* cu_q, const int* cu_k, int seqlen_q,
-    int seqlen_k, int heads_kv, int batch, int group, float scale_log2, float scale, int* unit_counter,
-    int* semaphores) {
+    int seqlen_k, int heads_q, int batch, int group, float scale_log2, float scale, float* dk_acc, float* dv_acc,
+    int* unit_counter, int* semaphores, int* kv_semaphores) {
   const int wg = warpgroup_index();
   if (threadIdx.x == 0) {
     u8* smem = smem_aligned_1024();
@@ -276,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     regs_decrease<PRODUCER_REGS>();
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     if (warp == 0) {  // ---- producer: the warp walks the units (its values warp-uniform), lane 0 issues ----
-      const BwdScheduler sched(heads_kv, batch, seqlen_q, seqlen_k, cu_q, cu_k);
+      const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, cu_q, cu_k);
       const bool leader = lane == 0;
       Pipe st;
       for (int k = 0, u = sched.first;; ++k) {
@@ -305,8 +307,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
                         t.map_b);
           }
         }
-        for (int g = 0; g < group; ++g) {
-          const int hq = t.hkv * group + g;
+        {
+          const int hq = t.hq;
 #pragma unroll 1
           for (int m = t.m_begin; m < t.m_end; ++m) {
             const int row = t.q_off + m * BM;
@@ -331,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
               for (int p = 0; p < PANELS; ++p)
                 tma_load_4d(base + SMEM_DO + st.stage * Q_STAGE + p * Q_PANEL, &tm_do, db, p * PANEL_COLS, row, hq,
                             t.map_b);
-              tma_load_2d(base + SMEM_DPSUM + st.stage * BM * 4, &tm_stats, db, stat, heads_kv * group + hq);
+              tma_load_2d(base + SMEM_DPSUM + st.stage * BM * 4, &tm_stats, db, stat, heads_q + hq);
             }
             st.advance();
           }
@@ -346,7 +348,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         pdl_launch_dependents();
       }
     } else if (warp == 1) {  // ---- dQ writer: adds each tile's partial into the accumulator ----
-      const BwdScheduler sched(heads_kv, batch, seqlen_q, seqlen_k, cu_q, cu_k);
+      const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, cu_q, cu_k);
       for (int k = 0, u = sched.first;; ++k) {
         const BwdShared sh;  // (derived afresh, as in the producer)
         u8* smem = sh.base;
@@ -356,12 +358,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         if (!sched.more(u)) break;
         const BwdUnit t = sched.unit(u);
         if (t.skip) continue;
-        for (int g = 0; g < group; ++g) {
-          const int hq = t.hkv * group + g;
+        {
+          const int hq = t.hq;
 #pragma unroll 1
           for (int m = t.m_begin; m < t.m_end; ++m) {
             const int m_blocks = (seqlen_q + BM - 1) / BM;
-            int* sem = semaphores + (i64(t.b) * heads_kv * group + hq) * m_blocks + m;
+            int* sem = semaphores + (i64(t.b) * heads_q + hq) * m_blocks + m;
             // each consumer's half as soon as it is there (the consumers run half a tile apart)
 #pragma unroll
             for (int c = 0; c < CONSUMERS; ++c) {
@@ -400,7 +402,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
   regs_increase<CONSUMER_REGS>();
   const BwdShared sh;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const BwdScheduler sched(heads_kv, batch, seqlen_q, seqlen_k, cu_q, cu_k);
+  const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, cu_q, cu_k);
   u8* smem = sh.base;
   const int c = wg - 1;
   const int frag_row = warp * 16 + lane / 4;  // the thread's first key row within the consumer's 64
@@ -442,7 +444,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_FULL + c), "r"(128 + 32) : "memory");
     };
     bool first = true;
-    for (int g = 0; g < group; ++g) {
+    {
       for (int m = t.m_begin; m < t.m_end; ++m, ++tiles) {
         const u8* q_tile = smem + SMEM_Q + st.stage * Q_STAGE;
         const u8* do_tile = smem + SMEM_DO + st.stage * Q_STAGE;
@@ -595,8 +597,40 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       if (tid == 0) bulk_wait_read<0>();
       named_barrier(BAR_WG + c, 128);
     };
-    store(dk, &tm_dk, dk_out, dk_row, dk_head);
-    store(dv, &tm_dv, dv_out, dv_row, dv_head);
+    if (group == 1) {
+      store(dk, &tm_dk, dk_out, dk_row, dk_head);
+      store(dv, &tm_dv, dv_out, dv_row, dv_head);
+      continue;
+    }
+    // GQA: added into the fp32 accumulators [rows_k, H_kv, D] (DETERMINISTIC: the group's query heads in order)
+    int* sem = kv_semaphores + (i64(te.b) * (heads_q / group) + te.hkv) * sched.n_blocks + te.n;
+    const int g = te.hq % group;
+    if (DETERMINISTIC) {
+      if (c == 0 && tid == 0) {
+        while (load_acquire_gpu(sem) != g) {
+        }
+      }
+      named_barrier(BAR_CONSUMERS, CONSUMER_THREADS);
+    }
+    const i64 acc_row0 = i64(VARLEN ? te.k_off : te.b * seqlen_k) + row0 + frag_row;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (row0 + frag_row + 8 * h < te.sk) {
+        const i64 base = ((acc_row0 + 8 * h) * (heads_q / group) + te.hkv) * D + frag_col;
+#pragma unroll
+        for (int i = 0; i < ACC_KV / 4; ++i) {
+          red_add_f32x2(dk_acc + base + 8 * i, dk[4 * i + 2 * h], dk[4 * i + 2 * h + 1]);
+          red_add_f32x2(dv_acc + base + 8 * i, dv[4 * i + 2 * h], dv[4 * i + 2 * h + 1]);
+        }
+      }
+    }
+    if (DETERMINISTIC) {  // every thread's additions before the turn passes (the last head leaves it zero)
+      named_barrier(BAR_CONSUMERS, CONSUMER_THREADS);
+      if (c == 0 && tid == 0) {
+        fence_acq_rel_gpu();
+        store_release_gpu(sem, g + 1 == group ? 0 : g + 1);
+      }
+    }
   }
   // the writer's arrival for the last dQ half; the last turn handed round
   if (dq_sent != 0) named_barrier(BAR_DQ_EMPTY + c, 128 + 32);

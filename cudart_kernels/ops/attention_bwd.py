@@ -16,7 +16,9 @@ import math
 from dataclasses import dataclass, field
 
 from ..runtime import dtypes as dt
-from ..runtime.driver import device_properties, stream_handle
+from cuda.bindings import driver as cu
+
+from ..runtime.driver import check, device_properties, stream_handle
 from ..runtime.interop import DeviceArray, as_arrays, require
 from ..runtime.launch import ArgsMemo, get_launcher
 from ..runtime.plans import PLANS
@@ -29,7 +31,7 @@ HEAD_DIMS = (64, 128)
 BM = 64         # query rows a tile (ptx/attention_bwd.cu)
 ROWS_PREP = 64  # query rows a CTA of the row kernels (ptx/attention_bwd_prep.cu)
 _MAIN_ARGS = ("tmap",) * 8 + ("ptr", "ptr", "i64", "i64", "i64", "i64", "ptr", "ptr", "i32", "i32", "i32", "i32",
-                              "i32", "f32", "f32", "ptr", "ptr")
+                              "i32", "f32", "f32", "ptr", "ptr", "ptr", "ptr", "ptr")
 _PREP_ARGS = ("ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "ptr", "i64", "ptr", "ptr",
               "i32")
 _DQ_ARGS = ("ptr", "ptr", "i64", "i64", "i64", "ptr", "i32", "f32")
@@ -162,6 +164,8 @@ class _Plan:
     stat_head: int
     run_main: bool
     run_rows: bool
+    kv_acc_floats: int  # GQA: the fp32 dK (and dV) accumulator's size, else 0
+    kv_grid: tuple      # (the dK / dV conversion's grid)
     memo: ArgsMemo = field(default_factory=ArgsMemo, compare=False, repr=False)
 
 
@@ -178,7 +182,7 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
     post = get_launcher("attention_bwd_prep.cu", "attention_bwd_dq", row_defs, dev, _DQ_ARGS, (256,), 0,
                         pdl=tuning.pdl)
     n_blocks = -(-dims.seqlen_k // cfg.bn)
-    units = n_blocks * dims.heads_kv * dims.batch
+    units = n_blocks * dims.heads_q * dims.batch
     grid = (max(1, min(units, device_properties(dev).sm_count)), 1, 1)
     m_prep = -(-dims.seqlen_q // ROWS_PREP)
     row_grid = (max(1, m_prep), dims.heads_q, dims.batch)
@@ -189,15 +193,22 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
             _map_layout(dkv, dims.varlen, 64), _map_layout(dvv, dims.varlen, 64),
             MapLayout(dt.float32, (stat_head, 2 * dims.heads_q), (stat_head * 4,), (BM, 1), 0))
     group = dims.heads_q // dims.heads_kv
-    scalars = (dims.seqlen_q, dims.seqlen_k, dims.heads_kv, dims.batch, group, scale * math.log2(math.e), scale)
+    scalars = (dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.batch, group, scale * math.log2(math.e), scale)
     m_blocks = -(-dims.seqlen_q // BM)
     scratch = (("attn_bwd_dq", max(rows_q, 1) * dims.heads_q * dims.head_dim * 4, False),
                ("attn_bwd_stats", 2 * dims.heads_q * stat_head * 4, False),
                ("attention_units", 8, True))
+    rows_k = kv.shape[0] if dims.varlen else dims.batch * dims.seqlen_k
+    kv_acc_floats = rows_k * dims.heads_kv * dims.head_dim if group > 1 else 0
+    if group > 1:  # GQA: dK and dV summed over the group in fp32, then converted
+        scratch += (("attn_bwd_dkv", 2 * max(kv_acc_floats, 1) * 4, False),)
     if deterministic:
-        scratch += (("attn_bwd_order", dims.batch * dims.heads_q * m_blocks * 4, True),)
+        scratch += (("attn_bwd_order", dims.batch * dims.heads_q * m_blocks * 4, True),
+                    ("attn_bwd_kv_order", dims.batch * dims.heads_kv * max(n_blocks, 1) * 4, True))
+    kv_grid = (max(1, -(-dims.seqlen_k // ROWS_PREP)), dims.heads_kv, dims.batch)
     return _Plan(cfg, main, prep, post, grid, row_grid, maps, scalars, scratch, stat_head,
-                 run_main=units > 0, run_rows=m_prep > 0 and dims.batch > 0)
+                 run_main=units > 0, run_rows=m_prep > 0 and dims.batch > 0, kv_acc_floats=kv_acc_floats,
+                 kv_grid=kv_grid)
 
 
 def _strides(x: DeviceArray, varlen: bool) -> tuple:
@@ -245,19 +256,24 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     if plan is None:
         plan = PLANS.add(key, _plan((dov, qv, kv, vv, ov, lv, dqv, dkv, dvv), dims, causal, softmax_scale,
                                     bool(deterministic), tuning or TUNING))
-    scratch = SCRATCH.acquire(qv.device, h, plan.scratch)
-    acc, stats, counter = scratch[:3]
-    order = scratch[3] if len(scratch) > 3 else 0
+    scratch = dict(zip((n[0] for n in plan.scratch), SCRATCH.acquire(qv.device, h, plan.scratch)))
+    dkv_acc = scratch.get("attn_bwd_dkv", 0)
     ptrs = (dov.ptr, qv.ptr, kv.ptr, vv.ptr, ov.ptr, lv.ptr, 0 if cq is None else cq.ptr,
-            0 if ck is None else ck.ptr, dqv.ptr, dkv.ptr, dvv.ptr, acc, stats, counter, order)
+            0 if ck is None else ck.ptr, dqv.ptr, dkv.ptr, dvv.ptr, scratch["attn_bwd_dq"], scratch["attn_bwd_stats"],
+            scratch["attention_units"], scratch.get("attn_bwd_order", 0), scratch.get("attn_bwd_kv_order", 0),
+            dkv_acc, dkv_acc + 4 * plan.kv_acc_floats if dkv_acc else 0)
     args = plan.memo.get(ptrs)
     if args is None:
         args = plan.memo.add(ptrs, _args(plan, dims, (dov, qv, ov, lv, dqv, dkv, dvv), ptrs))
-    prep_args, main_args, post_args = args
+    prep_args, main_args, post_args, kv_post_args = args
     if plan.run_rows:
         plan.prep.run(plan.row_grid, h, prep_args)
     if plan.run_main:
+        if plan.kv_acc_floats:
+            check(cu.cuMemsetD32Async(dkv_acc, 0, 2 * plan.kv_acc_floats, h))
         plan.main.run(plan.grid, h, main_args)
+        for a in kv_post_args:
+            plan.post.run(plan.kv_grid, h, a)
     if plan.run_rows:
         plan.post.run(plan.row_grid, h, post_args)
     return result
@@ -265,7 +281,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
 
 def _args(plan: _Plan, dims: Dims, arrays, ptrs) -> tuple:
     dov, qv, ov, lv, dqv, dkv, dvv = arrays
-    do_p, q_p, k_p, v_p, o_p, lse_p, cq_p, ck_p, dq_p, dk_p, dv_p, acc, stats, counter, order = ptrs
+    do_p, q_p, k_p, v_p, o_p, lse_p, cq_p, ck_p, dq_p, dk_p, dv_p, acc, stats, counter, order, kv_order, dk_acc, \
+        dv_acc = ptrs
     maps = sm90.thread_maps()
     m_q, m_k, m_v, m_do, m_acc, m_dk, m_dv, m_stats = plan.maps
     lse_b, lse_h = (0, lv.strides[0]) if dims.varlen else (lv.strides[0], lv.strides[1])
@@ -273,11 +290,13 @@ def _args(plan: _Plan, dims: Dims, arrays, ptrs) -> tuple:
     prep = (o_p, *_strides(ov, dims.varlen), do_p, *_strides(dov, dims.varlen), lse_p, lse_b, lse_h, stats,
             plan.stat_head, acc, cq_p, seqlen_q)
     post = (acc, dq_p, *_strides(dqv, dims.varlen), cq_p, seqlen_q, plan.scalars[-1])
+    kv_post = ((dk_acc, dk_p, *_strides(dkv, dims.varlen), ck_p, dims.seqlen_k, 1.0),
+               (dv_acc, dv_p, *_strides(dvv, dims.varlen), ck_p, dims.seqlen_k, 1.0)) if plan.kv_acc_floats else ()
     if not plan.run_main:
-        return prep, None, post
+        return prep, None, post, kv_post
     dk_row, dk_head, _ = _strides(dkv, dims.varlen)
     dv_row, dv_head, _ = _strides(dvv, dims.varlen)
     main = (maps.get(m_q, q_p), maps.get(m_k, k_p), maps.get(m_v, v_p), maps.get(m_do, do_p), maps.get(m_acc, acc),
             maps.get(m_dk, dk_p), maps.get(m_dv, dv_p), maps.get(m_stats, stats), dk_p, dv_p, dk_row, dk_head,
-            dv_row, dv_head, cq_p, ck_p, *plan.scalars, counter, order)
-    return prep, main, post
+            dv_row, dv_head, cq_p, ck_p, *plan.scalars, dk_acc, dv_acc, counter, order, kv_order)
+    return prep, main, post, kv_post

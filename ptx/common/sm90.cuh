@@ -212,6 +212,11 @@ __device__ __forceinline__ void red_add_relaxed_gpu(int* p, int v) {
   asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
 
+// Two fp32 additions into global memory (8-byte aligned), each atomic; no result.
+__device__ __forceinline__ void red_add_f32x2(float* p, float x, float y) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(p), "f"(x), "f"(y) : "memory");
+}
+
 __device__ __forceinline__ int load_acquire_gpu(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
