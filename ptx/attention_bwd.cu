@@ -3,7 +3,7 @@
 // * O), the LSE in base 2, the dQ accumulator cleared) and after (dQ accumulator * scale -> 16 bits).
 //
 // Warp-specialised and persistent. A unit is (key block of BN = 128 keys, kv head, sequence): the CTA keeps the
-// block's K and V in shared memory and walks every query tile (BM = 64 rows) of every query head that reads this
+// block's K and V in shared memory and walks every query tile (BM rows) of every query head that reads this
 // kv head (GQA: dK and dV sum over the group in registers). Warpgroup 0: one thread streams Q (with its LSE) and dO
 // (with its dPsum) tiles through two STAGES-deep mbarrier rings with TMA; warp 1 adds each tile's dQ partial into
 // the fp32 dQ accumulator with TMA reduce-add. Warpgroups 1 and 2 own 64 keys each and per tile compute, with
@@ -23,7 +23,8 @@
 // DETERMINISTIC: the dQ partials of a query tile are added in key-block order (a per-tile semaphore; each writer
 // waits for the previous key block's reduction to complete in global memory before it adds its own).
 //
-// Compile-time parameters: IN_KIND, HEAD_DIM (64 or 128), BN (128), STAGES, CAUSAL, VARLEN, DETERMINISTIC.
+// Compile-time parameters: IN_KIND, HEAD_DIM (64 or 128), BM (query rows a tile: 64, or 128 at head dim 64), BN
+// (128), STAGES, CAUSAL, VARLEN, DETERMINISTIC.
 #include "common/epilogue.cuh"
 #include "common/pipeline.cuh"
 #include "common/scheduler.cuh"
@@ -42,9 +43,9 @@
 typedef Wg16<IN_KIND>::type WgIn;
 
 constexpr int D = HEAD_DIM;
+constexpr int STAT_PAD = 128;  // the stats rows' padding (attention_bwd_prep.cu)
 constexpr int PANEL_COLS = 64;
 constexpr int PANELS = D / PANEL_COLS;
-constexpr int BM = 64;              // query rows a tile
 constexpr int CONSUMERS = 2;
 constexpr int KEYS = BN / CONSUMERS;  // keys a consumer warpgroup owns
 constexpr int THREADS = 128 * (CONSUMERS + 1);
@@ -52,16 +53,21 @@ constexpr int Q_PANEL = BM * 128;   // one 64-column panel of a Q or dO tile
 constexpr int KV_PANEL = BN * 128;  // of a K or V block
 constexpr int Q_STAGE = PANELS * Q_PANEL;
 constexpr int KV_TILE = PANELS * KV_PANEL;
-constexpr int DS_TILE = BN * BM * 2;  // dS^T: BN key rows of BM 16-bit query columns (128 bytes)
-constexpr int DQ_BOX = BM * 128;      // 32 fp32 columns of the dQ partial
+constexpr int DS_PANEL = BN * 128;    // dS^T: BN key rows of 64 16-bit query columns (128 bytes), BM / 64 panels
+constexpr int DS_TILE = BN * BM * 2;
+constexpr int DQ_BOX = 64 * 128;      // 64 rows by 32 fp32 columns of the dQ partial
 constexpr int DQ_TILE = BM * D * 4;
 constexpr u32 Q_TX = BM * D * 2 + BM * 4;  // a tile and its LSE (or dPsum) row
 constexpr u32 KV_TX = 2 * BN * D * 2;
 constexpr int ACC_T = BM / 2;        // S^T, dP^T: m64nBM per warpgroup
 constexpr int ACC_KV = D / 2;        // dK, dV: m64nD
-constexpr int ACC_Q = D / 2 / CONSUMERS;  // dQ: m64n(D / 2)
+// dQ = dS K: BM 64 splits the head dim between the consumers (m64n(D / 2) each), BM 128 the rows (m64nD each)
+constexpr bool DQ_SPLIT_ROWS = BM == 128;
+constexpr int DQ_N = DQ_SPLIT_ROWS ? D : D / 2;
+constexpr int ACC_Q = DQ_N / 2;
 constexpr int Q_STEPS = BM / 16;     // k16 steps over a tile's queries
 static_assert(D == 64 || D == 128, "head dim 64 or 128");
+static_assert(BM == 64 || (BM == 128 && D == 64), "query tiles of 64 rows, or 128 at head dim 64");
 static_assert(KEYS == 64, "64 keys a consumer warpgroup");
 
 constexpr int LAUNCH_REGS = (65536 / THREADS) / 8 * 8;
@@ -129,7 +135,7 @@ struct BwdScheduler : PersistentUnits {
                                           const int* cu_q_, const int* cu_k_)
       : PersistentUnits((seqlen_k_ + BN - 1) / BN * heads_q_ * batch, 1), n_blocks((seqlen_k_ + BN - 1) / BN),
         heads_q(heads_q_), group(group_), seqlen_q(seqlen_q_), seqlen_k(seqlen_k_),
-        s_pad((seqlen_q_ + BM - 1) / BM * BM), cu_q(cu_q_), cu_k(cu_k_) {}
+        s_pad((seqlen_q_ + STAT_PAD - 1) / STAT_PAD * STAT_PAD), cu_q(cu_q_), cu_k(cu_k_) {}
 
   __device__ __forceinline__ BwdUnit unit(int u) const {
     BwdUnit t;
@@ -144,7 +150,7 @@ struct BwdScheduler : PersistentUnits {
       t.sq = __ldg(cu_q + t.b + 1) - t.q_off;
       t.sk = __ldg(cu_k + t.b + 1) - t.k_off;
       t.map_b = 0;
-      t.stat0 = (t.q_off & ~3) + 128 * t.b;
+      t.stat0 = (t.q_off & ~3) + 2 * STAT_PAD * t.b;
     } else {
       t.q_off = t.k_off = 0;
       t.sq = seqlen_q;
@@ -182,11 +188,11 @@ __device__ __forceinline__ void issue_rs(float (&acc)[ACC_KV], const u32 (&a)[Q_
 
 // dQ (this consumer's head-dim half) = dS K: dS^T in shared memory is dS as an MN-major A operand (its 64 query
 // columns one 128-byte panel), K MN-major over the head dim; 16 keys a step.
-__device__ __forceinline__ void issue_dq(float (&acc)[ACC_Q], const u8* ds, const u8* k_half) {
-  const u64 da = wgmma_desc_mn_sw128(ds, 0), db = wgmma_desc_mn_sw128(k_half, KV_PANEL);
+__device__ __forceinline__ void issue_dq(float (&acc)[ACC_Q], const u8* ds, const u8* k_cols) {
+  const u64 da = wgmma_desc_mn_sw128(ds, 0), db = wgmma_desc_mn_sw128(k_cols, KV_PANEL);
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk)
-    Wgmma<WgIn, D / 2>::template mma<1, 1>(acc, da + kk * ((16 * 128) >> 4), db + kk * ((16 * 128) >> 4), kk != 0);
+    Wgmma<WgIn, DQ_N>::template mma<1, 1>(acc, da + kk * ((16 * 128) >> 4), db + kk * ((16 * 128) >> 4), kk != 0);
 }
 
 // The consumers take turns issuing GEMMs (named barriers): one's softmax and dS run under the other's GEMMs.
@@ -208,8 +214,9 @@ __device__ __forceinline__ void to_fragments(u32 (&f)[Q_STEPS][4], const float (
 __device__ __forceinline__ void store_fragments(u8* rows, const u32 (&f)[Q_STEPS][4], int warp, int lane) {
   const int row = warp * 16 + (lane / 8 % 2) * 8 + lane % 8;
 #pragma unroll
-  for (int kk = 0; kk < Q_STEPS; ++kk)
-    stmatrix_x4(rows + swizzled_offset<128>(row, 2 * kk + lane / 16), f[kk][0], f[kk][1], f[kk][2], f[kk][3]);
+  for (int kk = 0; kk < Q_STEPS; ++kk)  // (64 columns a panel)
+    stmatrix_x4(rows + (kk / 4) * DS_PANEL + swizzled_offset<128>(row, 2 * (kk % 4) + lane / 16), f[kk][0], f[kk][1],
+                f[kk][2], f[kk][3]);
 }
 
 // The shared-memory base and the barriers at SMEM_BARS: the Q and dO rings, K / V full and empty, the unit slots'
@@ -375,8 +382,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
                   fence_proxy_async_global();
                 }
 #pragma unroll
-                for (int j = c * D / 64; j < (c + 1) * D / 64; ++j)
-                  tma_reduce_add_4d(&tm_dq, smem + SMEM_DQ + j * DQ_BOX, j * 32, t.q_off + m * BM, hq, t.map_b);
+                for (int j = 0; j < ACC_Q / 16; ++j) {  // the consumer's boxes of 64 rows by 32 columns
+                  const int box = c * (ACC_Q / 16) + j;
+                  const int row = DQ_SPLIT_ROWS ? c * 64 : 0, col = DQ_SPLIT_ROWS ? j * 32 : box * 32;
+                  tma_reduce_add_4d(&tm_dq, smem + SMEM_DQ + box * DQ_BOX, col, t.q_off + m * BM + row, hq, t.map_b);
+                }
                 bulk_commit();
                 if (DETERMINISTIC && c == CONSUMERS - 1) {
                   bulk_wait<0>();  // the sum is in global memory, not just read out of shared memory
@@ -426,13 +436,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     }
     const u8* k_rows = smem + SMEM_K + c * KEYS * 128;
     const u8* v_rows = smem + SMEM_V + c * KEYS * 128;
-    const u8* k_half = smem + SMEM_K + (c * D / 2 / PANEL_COLS) * KV_PANEL + (c * D / 2 % PANEL_COLS) * 2;
+    // dQ's operands: this consumer's query rows of dS^T (DQ_SPLIT_ROWS) or all, its head-dim columns of K or all
+    const u8* k_cols = smem + SMEM_K + (DQ_SPLIT_ROWS ? 0 : (c * D / 2 / PANEL_COLS) * KV_PANEL + (c * D / 2 % PANEL_COLS) * 2);
+    const int ds_rows = DQ_SPLIT_ROWS ? c * DS_PANEL : 0;
     mbar_wait(sh.kv_full, k & 1);
     // dQ of a tile is issued with the next tile's dV and dK (or after the unit's last tile): its dS^T then comes
     // from both consumers without either waiting, and the two run half a tile apart (they take turns issuing).
     const auto issue_dq_of = [&](float (&acc)[ACC_Q], u32 tile) {
       mbar_wait(&sh.ds_full[tile & 1], (tile >> 1) & 1);
-      issue_dq(acc, smem + SMEM_DS + (tile & 1) * DS_TILE, k_half);
+      issue_dq(acc, smem + SMEM_DS + (tile & 1) * DS_TILE + ds_rows, k_cols);
     };
     // this consumer's dQ half to the writer, once its previous reduction has read the buffer
     const auto send_dq = [&](const float (&acc)[ACC_Q]) {

@@ -6,8 +6,9 @@
 //   and dPsum 0.
 // - attention_bwd_dq: dQ = accumulator * softmax scale, to 16 bits.
 // Stats rows: a head's rows are `stat_head` floats; sequence b starts at b * S_pad (batched, S_pad = S_q rounded up
-// to 64) or at (q_off & ~3) + 128 b (varlen: 16-byte aligned for the bulk copies, and never reaching the next
-// sequence's rows however the tile rounds). The accumulator is [rows, heads, D] fp32 with rows b * S_q + i
+// to STAT_PAD) or at (q_off & ~3) + 2 STAT_PAD b (varlen: 16-byte aligned for TMA, and never reaching the next
+// sequence's rows however a tile of up to STAT_PAD rows rounds). Rows up to the sequence's length rounded up to
+// STAT_PAD are written. The accumulator is [rows, heads, D] fp32 with rows b * S_q + i
 // (batched) or q_off + i (varlen).
 // Compile-time parameters: IN_KIND, HEAD_DIM, VARLEN.
 #include "common/epilogue.cuh"
@@ -19,6 +20,7 @@
 
 constexpr int D = HEAD_DIM;
 constexpr int ROWS = 64;
+constexpr int STAT_PAD = 128;  // attention_bwd.cu
 constexpr int VECS = D / 8 / 4;  // 16-byte vectors (8 elements) a thread: every fourth of the row's
 
 struct RowTile {
@@ -37,11 +39,11 @@ __device__ __forceinline__ RowTile row_tile(const int* cu_q, int seqlen_q) {
     const int q_off = __ldg(cu_q + t.b);
     t.sq = __ldg(cu_q + t.b + 1) - q_off;
     t.acc_row = q_off + t.row;
-    t.stat = (q_off & ~3) + 128 * t.b + t.row;
+    t.stat = (q_off & ~3) + 2 * STAT_PAD * t.b + t.row;
   } else {
     t.sq = seqlen_q;
     t.acc_row = i64(t.b) * seqlen_q + t.row;
-    t.stat = t.b * ((seqlen_q + ROWS - 1) / ROWS * ROWS) + t.row;
+    t.stat = t.b * ((seqlen_q + STAT_PAD - 1) / STAT_PAD * STAT_PAD) + t.row;
   }
   return t;
 }
@@ -73,7 +75,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_bwd_prep(
   pdl_wait();
   const int h = blockIdx.y, heads = gridDim.y, part = threadIdx.x % 4;
   const RowTile t = row_tile(cu_q, seqlen_q);
-  if (blockIdx.x * ROWS >= t.sq) return;  // the main kernel never visits this tile
+  if (blockIdx.x * ROWS >= (t.sq + STAT_PAD - 1) / STAT_PAD * STAT_PAD) return;  // the main kernel never reads these
   const bool live = t.row < t.sq;
   float dot = 0.f;
   if (live) {

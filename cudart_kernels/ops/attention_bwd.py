@@ -28,8 +28,8 @@ from .attention import _INPUTS, _KIND, SMEM_BUDGET, Dims, _key, _map_layout, che
 from .sm90 import MapLayout
 
 HEAD_DIMS = (64, 128)
-BM = 64         # query rows a tile (ptx/attention_bwd.cu)
 ROWS_PREP = 64  # query rows a CTA of the row kernels (ptx/attention_bwd_prep.cu)
+STAT_PAD = 128  # the LSE / dPsum rows' padding (both kernels)
 _MAIN_ARGS = ("tmap",) * 8 + ("ptr", "ptr", "i64", "i64", "i64", "i64", "ptr", "ptr", "i32", "i32", "i32", "i32",
                               "i32", "f32", "f32", "ptr", "ptr", "ptr", "ptr", "ptr")
 _PREP_ARGS = ("ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "ptr", "i64", "ptr", "ptr",
@@ -39,8 +39,9 @@ _DQ_ARGS = ("ptr", "ptr", "i64", "i64", "i64", "ptr", "i32", "f32")
 
 @dataclass(frozen=True)
 class AttnBwdTuning:
-    """Keys a unit (128: 64 per consumer warpgroup) and Q / dO ring stages, per head dim (docs/tuning.md)."""
-    tiles: tuple = ((64, (128, 2)), (128, (128, 2)))
+    """Per head dim: query rows a tile (64; 128 at head dim 64), keys a unit (128: 64 per consumer warpgroup) and
+    Q / dO ring stages (docs/tuning.md)."""
+    tiles: tuple = ((64, (128, 128, 2)), (128, (64, 128, 2)))
     pdl: bool = True
 
 
@@ -49,6 +50,7 @@ TUNING = AttnBwdTuning()
 
 @dataclass(frozen=True)
 class AttnBwdConfig:
+    bm: int
     bn: int
     stages: int
     head_dim: int
@@ -56,23 +58,24 @@ class AttnBwdConfig:
     threads: int = 384
 
 
-def smem_bytes(bn: int, d: int, stages: int) -> int:
+def smem_bytes(bm: int, bn: int, d: int, stages: int) -> int:
     """Mirror of ptx/attention_bwd.cu: K and V, the Q and dO rings, two dS^T tiles, the fp32 dQ partial, the LSE and
     dPsum rows of each stage, the barriers and unit slots, 1 KB of alignment slack."""
-    return (2 * bn * d * 2 + 2 * stages * BM * d * 2 + 2 * bn * BM * 2 + BM * d * 4 + 2 * stages * BM * 4
-            + (4 * stages + 6) * 8 + 8 + 1024)
+    return (2 * bn * d * 2 + 2 * stages * bm * d * 2 + 2 * bn * bm * 2 + bm * d * 4 + 2 * stages * bm * 4
+            + (4 * stages + 10) * 8 + 8 + 1024)
 
 
 def pick_config(d: int, tuning: AttnBwdTuning = TUNING) -> AttnBwdConfig:
-    bn, stages = dict(tuning.tiles)[d]
-    smem = smem_bytes(bn, d, stages)
+    bm, bn, stages = dict(tuning.tiles)[d]
+    smem = smem_bytes(bm, bn, d, stages)
     if smem > SMEM_BUDGET:
-        raise ValueError(f"attention backward tile {bn}x{d} with {stages} stages needs {smem} bytes of shared memory")
-    return AttnBwdConfig(bn, stages, d, smem)
+        raise ValueError(f"attention backward tile {bm}x{bn}x{d} with {stages} stages needs {smem} bytes of shared "
+                         f"memory")
+    return AttnBwdConfig(bm, bn, stages, d, smem)
 
 
 def _main_defines(dtype, cfg: AttnBwdConfig, causal: bool, varlen: bool, deterministic: bool) -> dict:
-    return {"IN_KIND": _KIND[dtype], "HEAD_DIM": cfg.head_dim, "BN": cfg.bn, "STAGES": cfg.stages,
+    return {"IN_KIND": _KIND[dtype], "HEAD_DIM": cfg.head_dim, "BM": cfg.bm, "BN": cfg.bn, "STAGES": cfg.stages,
             "CAUSAL": int(causal), "VARLEN": int(varlen), "DETERMINISTIC": int(deterministic)}
 
 
@@ -137,16 +140,16 @@ def _acc_layout(dims: Dims, rows: int) -> MapLayout:
     else:
         shape = (d, max(dims.seqlen_q, 1), h, dims.batch)
         strides = (h * d * 4, d * 4, max(dims.seqlen_q, 1) * h * d * 4)
-    return MapLayout(dt.float32, shape, strides, (32, BM, 1, 1), 128)
+    return MapLayout(dt.float32, shape, strides, (32, 64, 1, 1), 128)
 
 
 def _stat_head(dims: Dims, rows: int) -> int:
     """Floats a head's LSE / dPsum rows take (ptx/attention_bwd_prep.cu), a multiple of 4."""
     if dims.varlen:
-        n = rows + 128 * dims.batch + ROWS_PREP
+        n = rows + 2 * STAT_PAD * dims.batch + STAT_PAD
     else:
-        n = dims.batch * (-(-dims.seqlen_q // ROWS_PREP) * ROWS_PREP)
-    n = max(n, BM)  # (no query rows: the main kernel still gets a valid map, which it never reads)
+        n = dims.batch * (-(-dims.seqlen_q // STAT_PAD) * STAT_PAD)
+    n = max(n, STAT_PAD)  # (no query rows: the main kernel still gets a valid map, which it never reads)
     return n + -n % 4
 
 
@@ -184,17 +187,17 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
     n_blocks = -(-dims.seqlen_k // cfg.bn)
     units = n_blocks * dims.heads_q * dims.batch
     grid = (max(1, min(units, device_properties(dev).sm_count)), 1, 1)
-    m_prep = -(-dims.seqlen_q // ROWS_PREP)
+    m_prep = -(-dims.seqlen_q // STAT_PAD) * (STAT_PAD // ROWS_PREP)  # (the stats rows up to the padding)
     row_grid = (max(1, m_prep), dims.heads_q, dims.batch)
     rows_q = qv.shape[0] if dims.varlen else dims.batch * dims.seqlen_q
     stat_head = _stat_head(dims, rows_q)
-    maps = (_map_layout(qv, dims.varlen, BM), _map_layout(kv, dims.varlen, cfg.bn),
-            _map_layout(vv, dims.varlen, cfg.bn), _map_layout(dov, dims.varlen, BM), _acc_layout(dims, rows_q),
+    maps = (_map_layout(qv, dims.varlen, cfg.bm), _map_layout(kv, dims.varlen, cfg.bn),
+            _map_layout(vv, dims.varlen, cfg.bn), _map_layout(dov, dims.varlen, cfg.bm), _acc_layout(dims, rows_q),
             _map_layout(dkv, dims.varlen, 64), _map_layout(dvv, dims.varlen, 64),
-            MapLayout(dt.float32, (stat_head, 2 * dims.heads_q), (stat_head * 4,), (BM, 1), 0))
+            MapLayout(dt.float32, (stat_head, 2 * dims.heads_q), (stat_head * 4,), (cfg.bm, 1), 0))
     group = dims.heads_q // dims.heads_kv
     scalars = (dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.batch, group, scale * math.log2(math.e), scale)
-    m_blocks = -(-dims.seqlen_q // BM)
+    m_blocks = -(-dims.seqlen_q // cfg.bm)
     scratch = (("attn_bwd_dq", max(rows_q, 1) * dims.heads_q * dims.head_dim * 4, False),
                ("attn_bwd_stats", 2 * dims.heads_q * stat_head * 4, False),
                ("attention_units", 8, True))
