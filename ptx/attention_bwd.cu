@@ -47,7 +47,13 @@ constexpr int STAT_PAD = 128;  // the stats rows' padding (attention_bwd_prep.cu
 constexpr int PANEL_COLS = 64;
 constexpr int PANELS = D / PANEL_COLS;
 constexpr int CONSUMERS = 2;
-constexpr int KEYS = BN / CONSUMERS;  // keys a consumer warpgroup owns
+// Head dim 256 (SPLIT_D): dK and dV of 64 keys take 256 registers a thread, so the consumers split the head dim
+// instead of the keys: consumer 0 computes S^T and P^T, consumer 1 dP^T, they meet through shared memory (dP^T in
+// fp32 one way, P^T and dS^T as 16-bit tiles the other), and each keeps dK and dV for its half of the head dim and
+// computes that half of dQ, which it adds into the accumulator from registers (red.global.add).
+constexpr bool SPLIT_D = D == 256;
+constexpr int KEYS = SPLIT_D ? BN : BN / CONSUMERS;  // keys a consumer warpgroup's dK and dV rows cover
+constexpr int KV_COLS = SPLIT_D ? D / CONSUMERS : D;  // and head-dim columns
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int Q_PANEL = BM * 128;   // one 64-column panel of a Q or dO tile
 constexpr int KV_PANEL = BN * 128;  // of a K or V block
@@ -55,20 +61,21 @@ constexpr int Q_STAGE = PANELS * Q_PANEL;
 constexpr int KV_TILE = PANELS * KV_PANEL;
 constexpr int DS_PANEL = BN * 128;    // dS^T: BN key rows of 64 16-bit query columns (128 bytes), BM / 64 panels
 constexpr int DS_TILE = BN * BM * 2;
+constexpr int DS_BUFS = SPLIT_D ? 1 : 2;
 constexpr int DQ_BOX = 64 * 128;      // 64 rows by 32 fp32 columns of the dQ partial
-constexpr int DQ_TILE = BM * D * 4;
+constexpr int DQ_TILE = SPLIT_D ? 0 : BM * D * 4;
 constexpr u32 Q_TX = BM * D * 2 + BM * 4;  // a tile and its LSE (or dPsum) row
 constexpr u32 KV_TX = 2 * BN * D * 2;
 constexpr int ACC_T = BM / 2;        // S^T, dP^T: m64nBM per warpgroup
-constexpr int ACC_KV = D / 2;        // dK, dV: m64nD
+constexpr int ACC_KV = KV_COLS / 2;  // dK, dV: m64nKV_COLS
 // dQ = dS K: BM 64 splits the head dim between the consumers (m64n(D / 2) each), BM 128 the rows (m64nD each)
 constexpr bool DQ_SPLIT_ROWS = BM == 128;
-constexpr int DQ_N = DQ_SPLIT_ROWS ? D : D / 2;
+constexpr int DQ_N = DQ_SPLIT_ROWS ? D : SPLIT_D ? 64 : D / 2;  // (SPLIT_D: two passes of 64 columns a consumer)
 constexpr int ACC_Q = DQ_N / 2;
 constexpr int Q_STEPS = BM / 16;     // k16 steps over a tile's queries
-static_assert(D == 64 || D == 128, "head dim 64 or 128");
+static_assert(D == 64 || D == 128 || D == 256, "head dim 64, 128 or 256");
 static_assert(BM == 64 || (BM == 128 && D == 64), "query tiles of 64 rows, or 128 at head dim 64");
-static_assert(KEYS == 64, "64 keys a consumer warpgroup");
+static_assert(SPLIT_D ? BN == 64 && BM == 64 : KEYS == 64, "64 keys a consumer warpgroup (head dim 256: 64 a CTA)");
 
 constexpr int LAUNCH_REGS = (65536 / THREADS) / 8 * 8;
 constexpr int PRODUCER_REGS = 40;
@@ -76,21 +83,31 @@ constexpr int CONSUMER_REGS = 232;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS * LAUNCH_REGS,
               "setmaxnreg beyond the CTA's register allocation");
 
-// Shared memory (1024-byte aligned base): K | V | Q stages | dO stages | dS^T x 2 | dQ partial | LSE stages |
-// dPsum stages | barriers.
+// Shared memory (1024-byte aligned base): K | V | Q stages | dO stages | dS^T x DS_BUFS | (SPLIT_D: P^T, dP^T) |
+// dQ partial | LSE stages | dPsum stages | barriers.
 constexpr int SMEM_K = 0;
 constexpr int SMEM_V = SMEM_K + KV_TILE;
 constexpr int SMEM_Q = SMEM_V + KV_TILE;
 constexpr int SMEM_DO = SMEM_Q + STAGES * Q_STAGE;
 constexpr int SMEM_DS = SMEM_DO + STAGES * Q_STAGE;
-constexpr int SMEM_DQ = SMEM_DS + 2 * DS_TILE;
+constexpr int SMEM_P = SMEM_DS + DS_BUFS * DS_TILE;
+constexpr int SMEM_DP = SMEM_P + (SPLIT_D ? DS_TILE : 0);  // fp32, element i of thread t at (i * 128 + t) * 4
+constexpr int SMEM_DQ = SMEM_DP + (SPLIT_D ? BM * BN * 4 : 0);
 constexpr int SMEM_LSE = SMEM_DQ + DQ_TILE;
 constexpr int SMEM_DPSUM = SMEM_LSE + STAGES * BM * 4;
 constexpr int SMEM_BARS = SMEM_DPSUM + STAGES * BM * 4;
-// Q ring (2 x STAGES), dO ring (2 x STAGES), K/V full and empty, unit full [2] and empty [2], the unit indices [2]
+// Q ring (2 x STAGES), dO ring (2 x STAGES), K/V full and empty, unit full [2] and empty [2], dS full [2] and empty
+// [2], the unit indices [2]
 constexpr int SMEM_BYTES = SMEM_BARS + (4 * STAGES + 10) * 8 + 8;
 static_assert(SMEM_BYTES + 1024 <= 227 * 1024, "shared memory beyond an SM90 CTA's opt-in limit");
-static_assert(PANELS * 64 * 128 <= DS_TILE * 2, "dK / dV panels are staged in the dS^T tiles");
+
+// The epilogue stages a consumer's dK (then dV) in 64-row panels of 64 columns: in its rows of the dS^T tiles, or
+// (SPLIT_D) in its half of the dS^T, P^T and dP^T region.
+__device__ __forceinline__ int stage_panel(int c, int pn) {
+  return SPLIT_D ? SMEM_DS + (c * (KV_COLS / 64) + pn) * 64 * 128 : SMEM_DS + pn * DS_TILE + c * KEYS * 128;
+}
+static_assert(SPLIT_D ? SMEM_DQ - SMEM_DS >= CONSUMERS * KV_COLS * 128 : PANELS <= DS_BUFS,
+              "dK / dV panels are staged in the dS^T tiles");
 
 // Named barriers, each consumer c its own: its dQ half written (consumer -> writer), its dQ half free again
 // (writer -> consumer), its turn to issue GEMMs, its warpgroup; and both consumers together.
@@ -183,7 +200,8 @@ __device__ __forceinline__ void issue_t(float (&acc)[ACC_T], const u8* kv_rows, 
 __device__ __forceinline__ void issue_rs(float (&acc)[ACC_KV], const u32 (&a)[Q_STEPS][4], const u8* tile) {
   const u64 db = wgmma_desc_mn_sw128(tile, Q_PANEL);
 #pragma unroll
-  for (int kk = 0; kk < Q_STEPS; ++kk) WgmmaRegA<WgIn, D>::template mma<1>(acc, a[kk], db + kk * ((16 * 128) >> 4), 1);
+  for (int kk = 0; kk < Q_STEPS; ++kk)
+    WgmmaRegA<WgIn, KV_COLS>::template mma<1>(acc, a[kk], db + kk * ((16 * 128) >> 4), 1);
 }
 
 // dQ (this consumer's head-dim half) = dS K: dS^T in shared memory is dS as an MN-major A operand (its 64 query
@@ -202,7 +220,48 @@ __device__ __forceinline__ void turn_pass(int c) {
   asm volatile("bar.arrive %0, %1;" :: "r"(BAR_TURN + (c + 1) % CONSUMERS), "r"(CONSUMER_THREADS) : "memory");
 }
 
-// An m64n64 accumulator packed as wgmma A fragments: k16 step kk takes columns 16 kk .. 16 kk + 15.
+// P^T = 2^(S^T scale log2 e - LSE) for this thread's elements of a tile (queries q0.., keys key0..), zero where
+// masked: keys past the sequence and, causal, right of the diagonal (queries past it have LSE +inf).
+__device__ __forceinline__ void probabilities(float (&s)[ACC_T], u32 lse, int key0, int q0, int sq, int sk,
+                                              int frag_row, int frag_col, float scale_log2) {
+  lse += frag_col * 4;
+#pragma unroll
+  for (int i = 0; i < ACC_T / 4; ++i) {
+    const float2 l = ld_shared_f32x2(lse + 32 * i);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      s[4 * i + 2 * h] = ex2(fmaf(s[4 * i + 2 * h], scale_log2, -l.x));
+      s[4 * i + 2 * h + 1] = ex2(fmaf(s[4 * i + 2 * h + 1], scale_log2, -l.y));
+    }
+  }
+  if (key0 + 64 > sk || (CAUSAL && key0 + 63 > q0 + sk - sq)) {
+#pragma unroll
+    for (int i = 0; i < ACC_T / 4; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int kr = key0 + frag_row + 8 * h, qc = q0 + 8 * i + frag_col + e;
+          if (!(kr < sk && (!CAUSAL || kr <= qc + sk - sq))) s[4 * i + 2 * h + e] = 0.f;
+        }
+  }
+}
+
+// dS^T = P^T (dP^T - dPsum), into dp.
+__device__ __forceinline__ void score_grads(float (&dp)[ACC_T], const float (&p)[ACC_T], u32 dpsum, int frag_col) {
+  dpsum += frag_col * 4;
+#pragma unroll
+  for (int i = 0; i < ACC_T / 4; ++i) {
+    const float2 ds = ld_shared_f32x2(dpsum + 32 * i);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      dp[4 * i + 2 * h] = p[4 * i + 2 * h] * (dp[4 * i + 2 * h] - ds.x);
+      dp[4 * i + 2 * h + 1] = p[4 * i + 2 * h + 1] * (dp[4 * i + 2 * h + 1] - ds.y);
+    }
+  }
+}
+
+// An m64nBM accumulator packed as wgmma A fragments: k16 step kk takes columns 16 kk .. 16 kk + 15.
 __device__ __forceinline__ void to_fragments(u32 (&f)[Q_STEPS][4], const float (&x)[ACC_T]) {
 #pragma unroll
   for (int kk = 0; kk < Q_STEPS; ++kk)
@@ -249,6 +308,14 @@ __device__ __forceinline__ u32 bar_arrivals(int i) {
   return i == 0 || i == 2 || i == 3 ? 1 : i == 4 || i == 5 ? CONSUMER_WARPS + 1 : CONSUMER_WARPS;
 }
 
+// store_fragments' inverse: the fragments back from the tile (another consumer's, SPLIT_D).
+__device__ __forceinline__ void load_fragments(u32 (&f)[Q_STEPS][4], const u8* rows, int warp, int lane) {
+  const int row = warp * 16 + (lane / 8 % 2) * 8 + lane % 8;
+#pragma unroll
+  for (int kk = 0; kk < Q_STEPS; ++kk)
+    ldmatrix_x4(f[kk], rows + (kk / 4) * DS_PANEL + swizzled_offset<128>(row, 2 * (kk % 4) + lane / 16));
+}
+
 // tm_q, tm_do: (head dim, rows, heads, batch) maps with boxes {64, BM, 1, 1}; tm_k, tm_v: boxes {64, BN, 1, 1};
 // tm_dk, tm_dv: boxes {64, 64, 1, 1}; tm_dq: the fp32 dQ accumulator with boxes {32, BM, 1, 1}; all 128-byte
 // swizzled. dk_out / dv_out with element strides (row, head): the outputs for varlen row-by-row stores.
@@ -263,7 +330,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     const __grid_constant__ CUtensorMap_st tm_dq, const __grid_constant__ CUtensorMap_st tm_dk,
     const __grid_constant__ CUtensorMap_st tm_dv, const __grid_constant__ CUtensorMap_st tm_stats, void* dk_out,
     void* dv_out, i64 dk_row, i64 dk_head, i64 dv_row, i64 dv_head, const int* cu_q, const int* cu_k, int seqlen_q,
-    int seqlen_k, int heads_q, int batch, int group, float scale_log2, float scale, float* dk_acc, float* dv_acc,
+    int seqlen_k, int heads_q, int batch, int group, float scale_log2, float scale, float* dq_acc, float* dk_acc,
+    float* dv_acc,
     int* unit_counter, int* semaphores, int* kv_semaphores) {
   const int wg = warpgroup_index();
   if (threadIdx.x == 0) {
@@ -364,7 +432,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         mbar_arrive_by_lane0(smem_u32(&sh.unit_empty[k & 1]), lane);
         if (!sched.more(u)) break;
         const BwdUnit t = sched.unit(u);
-        if (t.skip) continue;
+        if (t.skip || SPLIT_D) continue;  // (SPLIT_D: the consumers add dQ themselves)
         {
           const int hq = t.hq;
 #pragma unroll 1
@@ -420,24 +488,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
   Pipe st;
   u32 tiles = 0, dq_sent = 0;
   float dv[ACC_KV], dk[ACC_KV];
-  if (c == CONSUMERS - 1) turn_pass(c);  // consumer 0 issues first
+  if (!SPLIT_D && c == CONSUMERS - 1) turn_pass(c);  // consumer 0 issues first
   for (int k = 0;; ++k) {
     // (the unit slot is freed only after the epilogue, which reads the unit from it again)
     mbar_wait(&sh.unit_full[k & 1], (k >> 1) & 1);
     const int u = warp_uniform(sh.unit_slot[k & 1]);
     if (!sched.more(u)) break;
     const BwdUnit t = sched.unit(u);
-    const int key0 = t.n * BN + c * KEYS;  // the consumer's first key in the sequence
-    const int key = key0 + frag_row;
+    const int key0 = t.n * BN + (SPLIT_D ? 0 : c * KEYS);  // the consumer's first key in the sequence
 #pragma unroll
     for (int i = 0; i < ACC_KV; ++i) {
       dv[i] = 0.f;
       dk[i] = 0.f;
     }
-    const u8* k_rows = smem + SMEM_K + c * KEYS * 128;
-    const u8* v_rows = smem + SMEM_V + c * KEYS * 128;
+    const u8* k_rows = smem + SMEM_K + (SPLIT_D ? 0 : c * KEYS * 128);
+    const u8* v_rows = smem + SMEM_V + (SPLIT_D ? 0 : c * KEYS * 128);
     // dQ's operands: this consumer's query rows of dS^T (DQ_SPLIT_ROWS) or all, its head-dim columns of K or all
-    const u8* k_cols = smem + SMEM_K + (DQ_SPLIT_ROWS ? 0 : (c * D / 2 / PANEL_COLS) * KV_PANEL + (c * D / 2 % PANEL_COLS) * 2);
+    const u8* k_cols = smem + SMEM_K +
+                       (DQ_SPLIT_ROWS ? 0 : (c * D / 2 / PANEL_COLS) * KV_PANEL + (c * D / 2 % PANEL_COLS) * 2);
     const int ds_rows = DQ_SPLIT_ROWS ? c * DS_PANEL : 0;
     mbar_wait(sh.kv_full, k & 1);
     // dQ of a tile is issued with the next tile's dV and dK (or after the unit's last tile): its dS^T then comes
@@ -456,7 +524,96 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_FULL + c), "r"(128 + 32) : "memory");
     };
     bool first = true;
-    {
+    if constexpr (SPLIT_D) {
+      // consumer 0: S^T, P^T, dS^T; consumer 1: dP^T; each: dV, dK and dQ for its half of the head dim
+      const int m_blocks = (seqlen_q + BM - 1) / BM;
+      for (int m = t.m_begin; m < t.m_end; ++m, ++tiles) {
+        const u8* q_tile = smem + SMEM_Q + st.stage * Q_STAGE;
+        const u8* do_tile = smem + SMEM_DO + st.stage * Q_STAGE;
+        const u32 dp_slot = smem_u32(smem + SMEM_DP) + tid * 4;
+        float x[ACC_T];
+        sh.q_ring.wait(st);
+        sh.do_ring.wait(st);
+        wgmma_fence();
+        issue_t(x, c == 0 ? k_rows : v_rows, c == 0 ? q_tile : do_tile);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(x);
+        if (c == 1) {
+#pragma unroll
+          for (int i = 0; i < ACC_T; ++i) asm volatile("st.shared.f32 [%0], %1;" :: "r"(dp_slot + i * 512), "f"(x[i]) : "memory");
+        }
+        named_barrier(BAR_CONSUMERS, CONSUMER_THREADS);  // dP^T is in shared memory
+        u32 pf[Q_STEPS][4], dsf[Q_STEPS][4];
+        if (c == 0) {
+          const int q0 = m * BM;
+          probabilities(x, smem_u32(smem + SMEM_LSE + st.stage * BM * 4), key0, q0, t.sq, t.sk, frag_row, frag_col,
+                        scale_log2);
+          float ds[ACC_T];
+#pragma unroll
+          for (int i = 0; i < ACC_T; ++i) asm volatile("ld.shared.f32 %0, [%1];" : "=f"(ds[i]) : "r"(dp_slot + i * 512) : "memory");
+          score_grads(ds, x, smem_u32(smem + SMEM_DPSUM + st.stage * BM * 4), frag_col);
+          to_fragments(pf, x);
+          to_fragments(dsf, ds);
+          store_fragments(smem + SMEM_P, pf, warp, lane);
+          store_fragments(smem + SMEM_DS, dsf, warp, lane);
+          fence_proxy_async_smem();
+        }
+        named_barrier(BAR_CONSUMERS, CONSUMER_THREADS);  // P^T and dS^T are in shared memory
+        if (c == 1) {
+          load_fragments(pf, smem + SMEM_P, warp, lane);
+          load_fragments(dsf, smem + SMEM_DS, warp, lane);
+        }
+        wgmma_fence();
+        issue_rs(dv, pf, do_tile + c * (KV_COLS / 64) * Q_PANEL);
+        issue_rs(dk, dsf, q_tile + c * (KV_COLS / 64) * Q_PANEL);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(dv);
+        fence_registers(dk);
+        fence_registers(pf);
+        fence_registers(dsf);
+        __syncwarp();  // every lane's LSE and dPsum reads come before lane 0 frees the stages
+        sh.q_ring.release_by_lane0(st.stage, 0, lane);
+        sh.do_ring.release_by_lane0(st.stage, 0, lane);
+        st.advance();
+        // dQ (this consumer's columns, 64 at a time) into the accumulator; DETERMINISTIC: after key block n - 1's
+        int* sem = semaphores + (i64(t.b) * heads_q + t.hq) * m_blocks + m;
+        if (DETERMINISTIC) {
+          if (c == 0 && tid == 0) {
+            while (load_acquire_gpu(sem) != t.n) {
+            }
+          }
+          named_barrier(BAR_CONSUMERS, CONSUMER_THREADS);
+        }
+        const i64 acc_row0 = i64(VARLEN ? t.q_off : t.b * seqlen_q) + m * BM + frag_row;
+#pragma unroll 1
+        for (int pass = 0; pass < KV_COLS / DQ_N; ++pass) {
+          float dq[ACC_Q];
+          wgmma_fence();
+          issue_dq(dq, smem + SMEM_DS, k_cols + pass * KV_PANEL);
+          wgmma_commit();
+          wgmma_wait<0>();
+          fence_registers(dq);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if (m * BM + frag_row + 8 * h < t.sq) {
+              float* row = dq_acc + ((acc_row0 + 8 * h) * heads_q + t.hq) * D + c * KV_COLS + pass * DQ_N + frag_col;
+#pragma unroll
+              for (int i = 0; i < ACC_Q / 4; ++i) red_add_f32x2(row + 8 * i, dq[4 * i + 2 * h], dq[4 * i + 2 * h + 1]);
+            }
+          }
+        }
+        if (DETERMINISTIC) {
+          named_barrier(BAR_CONSUMERS, CONSUMER_THREADS);
+          if (c == 0 && tid == 0) {
+            fence_acq_rel_gpu();
+            const bool last = (t.n + 1) * BN >= t.sk || first_tile(t.n + 1, t.sq, t.sk) > m;
+            store_release_gpu(sem, last ? 0 : t.n + 1);
+          }
+        }
+      }
+    } else {
       for (int m = t.m_begin; m < t.m_end; ++m, ++tiles) {
         const u8* q_tile = smem + SMEM_Q + st.stage * Q_STAGE;
         const u8* do_tile = smem + SMEM_DO + st.stage * Q_STAGE;
@@ -472,43 +629,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         turn_pass(c);
         wgmma_wait<1>();
         fence_registers(s);
-        // P^T = 2^(S^T scale log2 e - LSE), zero where masked
-        const u32 lse = smem_u32(smem + SMEM_LSE + st.stage * BM * 4) + frag_col * 4;
         const int q0 = m * BM;
-        const bool masked = key0 + KEYS > t.sk || (CAUSAL && key0 + KEYS - 1 > q0 + t.sk - t.sq);
-#pragma unroll
-        for (int i = 0; i < ACC_T / 4; ++i) {
-          const float2 l = ld_shared_f32x2(lse + 32 * i);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            s[4 * i + 2 * h] = ex2(fmaf(s[4 * i + 2 * h], scale_log2, -l.x));
-            s[4 * i + 2 * h + 1] = ex2(fmaf(s[4 * i + 2 * h + 1], scale_log2, -l.y));
-          }
-        }
-        if (masked) {
-#pragma unroll
-          for (int i = 0; i < ACC_T / 4; ++i)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int kr = key + 8 * h, qc = q0 + 8 * i + frag_col + e;
-                if (!(kr < t.sk && (!CAUSAL || kr <= qc + t.sk - t.sq))) s[4 * i + 2 * h + e] = 0.f;
-              }
-        }
+        probabilities(s, smem_u32(smem + SMEM_LSE + st.stage * BM * 4), key0, q0, t.sq, t.sk, frag_row, frag_col,
+                      scale_log2);
         wgmma_wait<0>();
         fence_registers(dp);
-        // dS^T = P^T (dP^T - dPsum)
-        const u32 dpsum = smem_u32(smem + SMEM_DPSUM + st.stage * BM * 4) + frag_col * 4;
-#pragma unroll
-        for (int i = 0; i < ACC_T / 4; ++i) {
-          const float2 ds = ld_shared_f32x2(dpsum + 32 * i);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            dp[4 * i + 2 * h] = s[4 * i + 2 * h] * (dp[4 * i + 2 * h] - ds.x);
-            dp[4 * i + 2 * h + 1] = s[4 * i + 2 * h + 1] * (dp[4 * i + 2 * h + 1] - ds.y);
-          }
-        }
+        score_grads(dp, s, smem_u32(smem + SMEM_DPSUM + st.stage * BM * 4), frag_col);
         u32 pf[Q_STEPS][4], dsf[Q_STEPS][4];
         to_fragments(pf, s);
         to_fragments(dsf, dp);
@@ -566,7 +692,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     }
     mbar_arrive_by_lane0(smem_u32(sh.kv_empty), lane);  // every wgmma that read K and V is done
 
-    // ---- epilogue: dK * scale and dV through this consumer's rows of the two dS^T tiles ----
+    // ---- epilogue: dK * scale and dV, staged in the dS^T tiles (stage_panel) ----
     // (the unit is decoded again from its slot: kept live across the loop, its fields were spilled)
     const BwdUnit te = sched.unit(warp_uniform(sh.unit_slot[k & 1]));
     mbar_arrive_by_lane0(smem_u32(&sh.unit_empty[k & 1]), lane);
@@ -574,15 +700,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     named_barrier(BAR_CONSUMERS, CONSUMER_THREADS);  // the other consumer's last dQ has read the dS^T tiles
 #pragma unroll
     for (int i = 0; i < ACC_KV; ++i) dk[i] *= scale;
-    const int row0 = te.n * BN + c * KEYS;
-    const bool whole = !VARLEN || row0 + KEYS <= te.sk;
+    const int row0 = te.n * BN + (SPLIT_D ? 0 : c * KEYS);
+    const int col0 = SPLIT_D ? c * KV_COLS : 0;
+    const bool whole = !VARLEN || row0 + 64 <= te.sk;
     const auto store = [&](const float (&acc)[ACC_KV], const CUtensorMap_st* map, void* out, i64 out_row,
                            i64 out_head) {
       // (addresses derived here from the base: computed once at the start, they were spilled)
       u8* smem = opaque(sh.base);
 #pragma unroll
-      for (int pn = 0; pn < PANELS; ++pn)
-        stmatrix_chunk<PANEL_COLS>(acc, pn, smem + SMEM_DS + pn * DS_TILE + c * KEYS * 128, warp, lane,
+      for (int pn = 0; pn < KV_COLS / 64; ++pn)
+        stmatrix_chunk<PANEL_COLS>(acc, pn, smem + stage_panel(c, pn), warp, lane,
                                    [](float a, float b) { return pack_f32x2<IN_KIND>(a, b); });
       fence_proxy_async_smem();
       named_barrier(BAR_WG + c, 128);
@@ -590,19 +717,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         if (whole) {
           if (tid == 0) {
 #pragma unroll
-            for (int pn = 0; pn < PANELS; ++pn)
-              tma_store_4d(map, smem + SMEM_DS + pn * DS_TILE + c * KEYS * 128, pn * PANEL_COLS, te.k_off + row0,
-                           te.hkv, te.map_b);
+            for (int pn = 0; pn < KV_COLS / 64; ++pn)
+              tma_store_4d(map, smem + stage_panel(c, pn), col0 + pn * PANEL_COLS, te.k_off + row0, te.hkv,
+                           te.map_b);
             bulk_commit();
           }
         } else {  // a varlen tail: only the sequence's rows, 16 bytes at a time
           const int rows = te.sk - row0;
-          for (int gi = tid; gi < rows * (D / 8); gi += 128) {
-            const int r = gi / (D / 8), col = gi % (D / 8) * 8;
-            const u32x4 v = *reinterpret_cast<const u32x4*>(smem + SMEM_DS + (col / 64) * DS_TILE +
-                                                            c * KEYS * 128 + swizzled_offset<128>(r, col % 64 / 8));
+          for (int gi = tid; gi < rows * (KV_COLS / 8); gi += 128) {
+            const int r = gi / (KV_COLS / 8), col = gi % (KV_COLS / 8) * 8;
+            const u32x4 v = *reinterpret_cast<const u32x4*>(smem + stage_panel(c, col / 64) +
+                                                            swizzled_offset<128>(r, col % 64 / 8));
             *reinterpret_cast<u32x4*>(reinterpret_cast<u16*>(out) + (te.k_off + row0 + r) * out_row +
-                                      te.hkv * out_head + col) = v;
+                                      te.hkv * out_head + col0 + col) = v;
           }
         }
       }
@@ -628,7 +755,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (row0 + frag_row + 8 * h < te.sk) {
-        const i64 base = ((acc_row0 + 8 * h) * (heads_q / group) + te.hkv) * D + frag_col;
+        const i64 base = ((acc_row0 + 8 * h) * (heads_q / group) + te.hkv) * D + col0 + frag_col;
 #pragma unroll
         for (int i = 0; i < ACC_KV / 4; ++i) {
           red_add_f32x2(dk_acc + base + 8 * i, dk[4 * i + 2 * h], dk[4 * i + 2 * h + 1]);
@@ -646,6 +773,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
   }
   // the writer's arrival for the last dQ half; the last turn handed round
   if (dq_sent != 0) named_barrier(BAR_DQ_EMPTY + c, 128 + 32);
-  if (c == 0) turn_wait(c);
+  if (!SPLIT_D && c == 0) turn_wait(c);
   epilogue_drain(tid);
 }

@@ -27,11 +27,11 @@ from . import sm90
 from .attention import _INPUTS, _KIND, SMEM_BUDGET, Dims, _key, _map_layout, check_inputs, check_outputs
 from .sm90 import MapLayout
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 ROWS_PREP = 64  # query rows a CTA of the row kernels (ptx/attention_bwd_prep.cu)
 STAT_PAD = 128  # the LSE / dPsum rows' padding (both kernels)
 _MAIN_ARGS = ("tmap",) * 8 + ("ptr", "ptr", "i64", "i64", "i64", "i64", "ptr", "ptr", "i32", "i32", "i32", "i32",
-                              "i32", "f32", "f32", "ptr", "ptr", "ptr", "ptr", "ptr")
+                              "i32", "f32", "f32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr")
 _PREP_ARGS = ("ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "ptr", "i64", "ptr", "ptr",
               "i32")
 _DQ_ARGS = ("ptr", "ptr", "i64", "i64", "i64", "ptr", "i32", "f32")
@@ -40,8 +40,8 @@ _DQ_ARGS = ("ptr", "ptr", "i64", "i64", "i64", "ptr", "i32", "f32")
 @dataclass(frozen=True)
 class AttnBwdTuning:
     """Per head dim: query rows a tile (64; 128 at head dim 64), keys a unit (128: 64 per consumer warpgroup) and
-    Q / dO ring stages (docs/tuning.md)."""
-    tiles: tuple = ((64, (128, 128, 2)), (128, (64, 128, 2)))
+    Q / dO ring stages (docs/tuning.md). Head dim 256 takes 64-key units (its consumers split the head dim)."""
+    tiles: tuple = ((64, (128, 128, 2)), (128, (64, 128, 2)), (256, (64, 64, 2)))
     pdl: bool = True
 
 
@@ -59,10 +59,12 @@ class AttnBwdConfig:
 
 
 def smem_bytes(bm: int, bn: int, d: int, stages: int) -> int:
-    """Mirror of ptx/attention_bwd.cu: K and V, the Q and dO rings, two dS^T tiles, the fp32 dQ partial, the LSE and
-    dPsum rows of each stage, the barriers and unit slots, 1 KB of alignment slack."""
-    return (2 * bn * d * 2 + 2 * stages * bm * d * 2 + 2 * bn * bm * 2 + bm * d * 4 + 2 * stages * bm * 4
-            + (4 * stages + 10) * 8 + 8 + 1024)
+    """Mirror of ptx/attention_bwd.cu: K and V, the Q and dO rings, two dS^T tiles and the fp32 dQ partial (head dim
+    256: one dS^T tile, a P^T tile and fp32 dP^T), the LSE and dPsum rows of each stage, the barriers and unit
+    slots, 1 KB of alignment slack."""
+    exchange = bn * bm * 2 + bn * bm * 2 + bm * bn * 4 if d == 256 else 2 * bn * bm * 2 + bm * d * 4
+    return (2 * bn * d * 2 + 2 * stages * bm * d * 2 + exchange + 2 * stages * bm * 4 + (4 * stages + 10) * 8 + 8
+            + 1024)
 
 
 def pick_config(d: int, tuning: AttnBwdTuning = TUNING) -> AttnBwdConfig:
@@ -228,7 +230,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     """Attention backward: (dq, dk, dv) of out = attention(q, k, v, ...) given dout, out and the forward's lse.
 
     q, k, v, causal, softmax_scale, cu_seqlens_q / cu_seqlens_k and max_seqlen_q / max_seqlen_k are the forward
-    call's (see `attention`; head dims 64 and 128); out is its output and lse its fp32 log-sum-exp
+    call's (see `attention`; head dims 64, 128 and 256); out is its output and lse its fp32 log-sum-exp
     ([B, H_q, S_q], varlen [H_q, total_q]: `attention(..., return_lse=True)`); dout has out's shape and dtype.
     dq has q's shape and dtype, dk and dv k's and v's (GQA: summed over the query heads of each kv head); they are
     allocated when None (inside a CUDA graph capture, pass them). Accumulation is fp32. With `deterministic` the
@@ -301,5 +303,5 @@ def _args(plan: _Plan, dims: Dims, arrays, ptrs) -> tuple:
     dv_row, dv_head, _ = _strides(dvv, dims.varlen)
     main = (maps.get(m_q, q_p), maps.get(m_k, k_p), maps.get(m_v, v_p), maps.get(m_do, do_p), maps.get(m_acc, acc),
             maps.get(m_dk, dk_p), maps.get(m_dv, dv_p), maps.get(m_stats, stats), dk_p, dv_p, dk_row, dk_head,
-            dv_row, dv_head, cq_p, ck_p, *plan.scalars, dk_acc, dv_acc, counter, order, kv_order)
+            dv_row, dv_head, cq_p, ck_p, *plan.scalars, acc, dk_acc, dv_acc, counter, order, kv_order)
     return prep, main, post, kv_post
