@@ -48,9 +48,9 @@ constexpr int PANEL_COLS = 64;
 constexpr int PANELS = D / PANEL_COLS;
 constexpr int CONSUMERS = 2;
 // Head dim 256 (SPLIT_D): dK and dV of 64 keys take 256 registers a thread, so the consumers split the head dim
-// instead of the keys: consumer 0 computes S^T and P^T, consumer 1 dP^T, they meet through shared memory (dP^T in
-// fp32 one way, P^T and dS^T as 16-bit tiles the other), and each keeps dK and dV for its half of the head dim and
-// computes that half of dQ, which it adds into the accumulator from registers (red.global.add).
+// instead of the keys: each computes S^T and dP^T of the block's 64 keys itself (a third more tensor work, nothing
+// to exchange), keeps dK and dV for its half of the head dim and computes that half of dQ, which it adds into the
+// accumulator from registers (red.global.add).
 constexpr bool SPLIT_D = D == 256;
 constexpr int KEYS = SPLIT_D ? BN : BN / CONSUMERS;  // keys a consumer warpgroup's dK and dV rows cover
 constexpr int KV_COLS = SPLIT_D ? D / CONSUMERS : D;  // and head-dim columns
@@ -61,7 +61,7 @@ constexpr int Q_STAGE = PANELS * Q_PANEL;
 constexpr int KV_TILE = PANELS * KV_PANEL;
 constexpr int DS_PANEL = BN * 128;    // dS^T: BN key rows of 64 16-bit query columns (128 bytes), BM / 64 panels
 constexpr int DS_TILE = BN * BM * 2;
-constexpr int DS_BUFS = SPLIT_D ? 1 : 2;
+constexpr int DS_BUFS = 2;  // (SPLIT_D: one a consumer)
 constexpr int DQ_BOX = 64 * 128;      // 64 rows by 32 fp32 columns of the dQ partial
 constexpr int DQ_TILE = SPLIT_D ? 0 : BM * D * 4;
 constexpr u32 Q_TX = BM * D * 2 + BM * 4;  // a tile and its LSE (or dPsum) row
@@ -83,16 +83,15 @@ constexpr int CONSUMER_REGS = 232;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS * LAUNCH_REGS,
               "setmaxnreg beyond the CTA's register allocation");
 
-// Shared memory (1024-byte aligned base): K | V | Q stages | dO stages | dS^T x DS_BUFS | (SPLIT_D: P^T, dP^T) |
-// dQ partial | LSE stages | dPsum stages | barriers.
+// Shared memory (1024-byte aligned base): K | V | Q stages | dO stages | dS^T x 2 (SPLIT_D: and the epilogue's
+// staging) | dQ partial | LSE stages | dPsum stages | barriers.
 constexpr int SMEM_K = 0;
 constexpr int SMEM_V = SMEM_K + KV_TILE;
 constexpr int SMEM_Q = SMEM_V + KV_TILE;
 constexpr int SMEM_DO = SMEM_Q + STAGES * Q_STAGE;
 constexpr int SMEM_DS = SMEM_DO + STAGES * Q_STAGE;
-constexpr int SMEM_P = SMEM_DS + DS_BUFS * DS_TILE;
-constexpr int SMEM_DP = SMEM_P + (SPLIT_D ? DS_TILE : 0);  // fp32, element i of thread t at (i * 128 + t) * 4
-constexpr int SMEM_DQ = SMEM_DP + (SPLIT_D ? BM * BN * 4 : 0);
+// SPLIT_D: the epilogue's staging for dK and dV (4 panels) reaches past the two dS^T tiles (2 panels)
+constexpr int SMEM_DQ = SMEM_DS + (SPLIT_D ? CONSUMERS * KV_COLS * 128 : DS_BUFS * DS_TILE);
 constexpr int SMEM_LSE = SMEM_DQ + DQ_TILE;
 constexpr int SMEM_DPSUM = SMEM_LSE + STAGES * BM * 4;
 constexpr int SMEM_BARS = SMEM_DPSUM + STAGES * BM * 4;
@@ -308,14 +307,6 @@ __device__ __forceinline__ u32 bar_arrivals(int i) {
   return i == 0 || i == 2 || i == 3 ? 1 : i == 4 || i == 5 ? CONSUMER_WARPS + 1 : CONSUMER_WARPS;
 }
 
-// store_fragments' inverse: the fragments back from the tile (another consumer's, SPLIT_D).
-__device__ __forceinline__ void load_fragments(u32 (&f)[Q_STEPS][4], const u8* rows, int warp, int lane) {
-  const int row = warp * 16 + (lane / 8 % 2) * 8 + lane % 8;
-#pragma unroll
-  for (int kk = 0; kk < Q_STEPS; ++kk)
-    ldmatrix_x4(f[kk], rows + (kk / 4) * DS_PANEL + swizzled_offset<128>(row, 2 * (kk % 4) + lane / 16));
-}
-
 // tm_q, tm_do: (head dim, rows, heads, batch) maps with boxes {64, BM, 1, 1}; tm_k, tm_v: boxes {64, BN, 1, 1};
 // tm_dk, tm_dv: boxes {64, 64, 1, 1}; tm_dq: the fp32 dQ accumulator with boxes {32, BM, 1, 1}; all 128-byte
 // swizzled. dk_out / dv_out with element strides (row, head): the outputs for varlen row-by-row stores.
@@ -488,7 +479,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
   Pipe st;
   u32 tiles = 0, dq_sent = 0;
   float dv[ACC_KV], dk[ACC_KV];
-  if (!SPLIT_D && c == CONSUMERS - 1) turn_pass(c);  // consumer 0 issues first
+  if (c == CONSUMERS - 1) turn_pass(c);  // consumer 0 issues first
   for (int k = 0;; ++k) {
     // (the unit slot is freed only after the epilogue, which reads the unit from it again)
     mbar_wait(&sh.unit_full[k & 1], (k >> 1) & 1);
@@ -525,79 +516,78 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     };
     bool first = true;
     if constexpr (SPLIT_D) {
-      // consumer 0: S^T, P^T, dS^T; consumer 1: dP^T; each: dV, dK and dQ for its half of the head dim
+      // Each consumer computes S^T and dP^T over the whole head dim itself (the two run apart, taking turns on the
+      // tensor cores, with nothing to exchange) and dV, dK and dQ for its half of the head dim.
       const int m_blocks = (seqlen_q + BM - 1) / BM;
+      u8* ds_tile = smem + SMEM_DS + c * DS_TILE;
       for (int m = t.m_begin; m < t.m_end; ++m, ++tiles) {
         const u8* q_tile = smem + SMEM_Q + st.stage * Q_STAGE;
         const u8* do_tile = smem + SMEM_DO + st.stage * Q_STAGE;
-        const u32 dp_slot = smem_u32(smem + SMEM_DP) + tid * 4;
-        float x[ACC_T];
+        float s[ACC_T], dp[ACC_T];
         sh.q_ring.wait(st);
         sh.do_ring.wait(st);
+        turn_wait(c);
         wgmma_fence();
-        issue_t(x, c == 0 ? k_rows : v_rows, c == 0 ? q_tile : do_tile);
+        issue_t(s, k_rows, q_tile);
         wgmma_commit();
+        issue_t(dp, v_rows, do_tile);
+        wgmma_commit();
+        turn_pass(c);
+        wgmma_wait<1>();
+        fence_registers(s);
+        const int q0 = m * BM;
+        probabilities(s, smem_u32(smem + SMEM_LSE + st.stage * BM * 4), key0, q0, t.sq, t.sk, frag_row, frag_col,
+                      scale_log2);
         wgmma_wait<0>();
-        fence_registers(x);
-        if (c == 1) {
-#pragma unroll
-          for (int i = 0; i < ACC_T; ++i) asm volatile("st.shared.f32 [%0], %1;" :: "r"(dp_slot + i * 512), "f"(x[i]) : "memory");
-        }
-        named_barrier(BAR_CONSUMERS, CONSUMER_THREADS);  // dP^T is in shared memory
+        fence_registers(dp);
+        score_grads(dp, s, smem_u32(smem + SMEM_DPSUM + st.stage * BM * 4), frag_col);
         u32 pf[Q_STEPS][4], dsf[Q_STEPS][4];
-        if (c == 0) {
-          const int q0 = m * BM;
-          probabilities(x, smem_u32(smem + SMEM_LSE + st.stage * BM * 4), key0, q0, t.sq, t.sk, frag_row, frag_col,
-                        scale_log2);
-          float ds[ACC_T];
-#pragma unroll
-          for (int i = 0; i < ACC_T; ++i) asm volatile("ld.shared.f32 %0, [%1];" : "=f"(ds[i]) : "r"(dp_slot + i * 512) : "memory");
-          score_grads(ds, x, smem_u32(smem + SMEM_DPSUM + st.stage * BM * 4), frag_col);
-          to_fragments(pf, x);
-          to_fragments(dsf, ds);
-          store_fragments(smem + SMEM_P, pf, warp, lane);
-          store_fragments(smem + SMEM_DS, dsf, warp, lane);
-          fence_proxy_async_smem();
-        }
-        named_barrier(BAR_CONSUMERS, CONSUMER_THREADS);  // P^T and dS^T are in shared memory
-        if (c == 1) {
-          load_fragments(pf, smem + SMEM_P, warp, lane);
-          load_fragments(dsf, smem + SMEM_DS, warp, lane);
-        }
+        to_fragments(pf, s);
+        to_fragments(dsf, dp);
+        store_fragments(ds_tile, dsf, warp, lane);  // (its last reader, this consumer's previous dQ, is done)
+        fence_proxy_async_smem();
+        named_barrier(BAR_WG + c, 128);
+        float dq[ACC_Q];
+        turn_wait(c);
         wgmma_fence();
         issue_rs(dv, pf, do_tile + c * (KV_COLS / 64) * Q_PANEL);
         issue_rs(dk, dsf, q_tile + c * (KV_COLS / 64) * Q_PANEL);
+        issue_dq(dq, ds_tile, k_cols);
         wgmma_commit();
+        turn_pass(c);
         wgmma_wait<0>();
         fence_registers(dv);
         fence_registers(dk);
         fence_registers(pf);
         fence_registers(dsf);
+        fence_registers(dq);
         __syncwarp();  // every lane's LSE and dPsum reads come before lane 0 frees the stages
         sh.q_ring.release_by_lane0(st.stage, 0, lane);
         sh.do_ring.release_by_lane0(st.stage, 0, lane);
         st.advance();
-        // dQ (this consumer's columns, 64 at a time) into the accumulator; DETERMINISTIC: after key block n - 1's
-        int* sem = semaphores + (i64(t.b) * heads_q + t.hq) * m_blocks + m;
+        // dQ (this consumer's columns, 64 at a time) into the accumulator from registers; DETERMINISTIC: after
+        // key block n - 1's (a semaphore per tile and consumer: the two add disjoint columns)
+        int* sem = semaphores + ((i64(t.b) * heads_q + t.hq) * m_blocks + m) * CONSUMERS + c;
         if (DETERMINISTIC) {
-          if (c == 0 && tid == 0) {
+          if (tid == 0) {
             while (load_acquire_gpu(sem) != t.n) {
             }
           }
-          named_barrier(BAR_CONSUMERS, CONSUMER_THREADS);
+          named_barrier(BAR_WG + c, 128);
         }
-        const i64 acc_row0 = i64(VARLEN ? t.q_off : t.b * seqlen_q) + m * BM + frag_row;
+        const i64 acc_row0 = i64(VARLEN ? t.q_off : t.b * seqlen_q) + q0 + frag_row;
 #pragma unroll 1
         for (int pass = 0; pass < KV_COLS / DQ_N; ++pass) {
-          float dq[ACC_Q];
-          wgmma_fence();
-          issue_dq(dq, smem + SMEM_DS, k_cols + pass * KV_PANEL);
-          wgmma_commit();
-          wgmma_wait<0>();
-          fence_registers(dq);
+          if (pass > 0) {
+            wgmma_fence();
+            issue_dq(dq, ds_tile, k_cols + pass * KV_PANEL);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_registers(dq);
+          }
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            if (m * BM + frag_row + 8 * h < t.sq) {
+            if (q0 + frag_row + 8 * h < t.sq) {
               float* row = dq_acc + ((acc_row0 + 8 * h) * heads_q + t.hq) * D + c * KV_COLS + pass * DQ_N + frag_col;
 #pragma unroll
               for (int i = 0; i < ACC_Q / 4; ++i) red_add_f32x2(row + 8 * i, dq[4 * i + 2 * h], dq[4 * i + 2 * h + 1]);
@@ -605,8 +595,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
           }
         }
         if (DETERMINISTIC) {
-          named_barrier(BAR_CONSUMERS, CONSUMER_THREADS);
-          if (c == 0 && tid == 0) {
+          named_barrier(BAR_WG + c, 128);
+          if (tid == 0) {
             fence_acq_rel_gpu();
             const bool last = (t.n + 1) * BN >= t.sk || first_tile(t.n + 1, t.sq, t.sk) > m;
             store_release_gpu(sem, last ? 0 : t.n + 1);
@@ -773,6 +763,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
   }
   // the writer's arrival for the last dQ half; the last turn handed round
   if (dq_sent != 0) named_barrier(BAR_DQ_EMPTY + c, 128 + 32);
-  if (!SPLIT_D && c == 0) turn_wait(c);
+  if (c == 0) turn_wait(c);
   epilogue_drain(tid);
 }

@@ -60,9 +60,9 @@ class AttnBwdConfig:
 
 def smem_bytes(bm: int, bn: int, d: int, stages: int) -> int:
     """Mirror of ptx/attention_bwd.cu: K and V, the Q and dO rings, two dS^T tiles and the fp32 dQ partial (head dim
-    256: one dS^T tile, a P^T tile and fp32 dP^T), the LSE and dPsum rows of each stage, the barriers and unit
-    slots, 1 KB of alignment slack."""
-    exchange = bn * bm * 2 + bn * bm * 2 + bm * bn * 4 if d == 256 else 2 * bn * bm * 2 + bm * d * 4
+    256: two dS^T tiles within the epilogue's staging for dK and dV, no dQ partial), the LSE and dPsum rows of each
+    stage, the barriers and unit slots, 1 KB of alignment slack."""
+    exchange = 2 * bn * d if d == 256 else 2 * bn * bm * 2 + bm * d * 4  # (256: the dK / dV staging)
     return (2 * bn * d * 2 + 2 * stages * bm * d * 2 + exchange + 2 * stages * bm * 4 + (4 * stages + 10) * 8 + 8
             + 1024)
 
@@ -208,7 +208,9 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
     if group > 1:  # GQA: dK and dV summed over the group in fp32, then converted
         scratch += (("attn_bwd_dkv", 2 * max(kv_acc_floats, 1) * 4, False),)
     if deterministic:
-        scratch += (("attn_bwd_order", dims.batch * dims.heads_q * m_blocks * 4, True),
+        # (an int per query tile; head dim 256: per tile and consumer)
+        scratch += (("attn_bwd_order", dims.batch * dims.heads_q * m_blocks * 4 * (2 if dims.head_dim == 256 else 1),
+                     True),
                     ("attn_bwd_kv_order", dims.batch * dims.heads_kv * max(n_blocks, 1) * 4, True))
     kv_grid = (max(1, -(-dims.seqlen_k // ROWS_PREP)), dims.heads_kv, dims.batch)
     return _Plan(cfg, main, prep, post, grid, row_grid, maps, scalars, scratch, stat_head,
