@@ -1,30 +1,33 @@
 // Attention backward: dQ, dK, dV of O = softmax(scale * Q K^T) V from dO, with the forward's log-sum-exp, for
 // 16-bit Q, K, V, O, dO (bf16 or fp16) and fp32 accumulation. attention_bwd_prep.cu runs before (dPsum = rowsum(dO
-// * O), the LSE in base 2, the dQ accumulator cleared) and after (dQ accumulator * scale -> 16 bits).
+// * O), the LSE in base 2, the dQ accumulator cleared) and after (dQ accumulator * scale -> 16 bits; GQA: the fp32
+// dK and dV sums -> 16 bits).
 //
-// Warp-specialised and persistent. A unit is (key block of BN = 128 keys, kv head, sequence): the CTA keeps the
-// block's K and V in shared memory and walks every query tile (BM rows) of every query head that reads this
-// kv head (GQA: dK and dV sum over the group in registers). Warpgroup 0: one thread streams Q (with its LSE) and dO
-// (with its dPsum) tiles through two STAGES-deep mbarrier rings with TMA; warp 1 adds each tile's dQ partial into
-// the fp32 dQ accumulator with TMA reduce-add. Warpgroups 1 and 2 own 64 keys each and per tile compute, with
-// wgmma:
+// Warp-specialised and persistent. A unit is (key block of BN keys, query head, sequence): the CTA keeps the
+// block's K and V in shared memory and walks the head's query tiles (BM rows) that see the block. Warpgroup 0:
+// warp 0 streams Q (with its LSE) and dO (with its dPsum) tiles through two STAGES-deep mbarrier rings with TMA
+// (lane 0 issues); warp 1 adds each tile's dQ partial into the fp32 dQ accumulator with TMA reduce-add. Warpgroups
+// 1 and 2 own 64 keys each and per tile compute, with wgmma:
 // - S^T = K Q^T and dP^T = V dO^T (keys as M: both from shared memory, K-major);
 // - P^T = 2^(S^T * scale log2 e - LSE) and dS^T = P^T (dP^T - dPsum) in registers (the LSE and dPsum of a query
 //   column come from shared memory);
 // - dV += P^T dO and dK += dS^T Q with P^T and dS^T straight from registers (the accumulator layout is wgmma's A
 //   register layout) and dO / Q as MN-major B operands; dV and dK stay in registers for the whole unit;
 // - dS^T goes to shared memory; dQ = dS K with dS as an MN-major A operand (both warpgroups' keys) and K as an
-//   MN-major B operand, each warpgroup taking half of the head dim; the fp32 partial goes through shared memory to
-//   the dQ writer warp.
+//   MN-major B operand, the warpgroups splitting the head dim (BM 64) or the query rows (BM 128); the fp32 partial
+//   goes through shared memory to the dQ writer warp. A tile's dQ is issued with the next tile's dV and dK, and the
+//   consumers take turns issuing GEMMs: they run half a tile apart, one's softmax under the other's GEMMs.
+// Head dim 256 (SPLIT_D) splits the head dim between the consumers instead of the keys (see SPLIT_D below).
+// GQA: each query head has its units; dK and dV are added into fp32 sums in the epilogue.
 // Masks: keys past the sequence (their K rows may belong to the next packed sequence) and, causal, keys right of
 // the diagonal (bottom-right aligned: query i sees key j <= i + S_k - S_q) get P = 0; query tiles wholly above the
 // diagonal are never visited. Query rows past the sequence get P = 0 through their LSE (+inf, from the prep
 // kernel), so their dQ rows are exact zeros: a varlen tile's reduce-add adds zeros to the next sequence's rows.
-// DETERMINISTIC: the dQ partials of a query tile are added in key-block order (a per-tile semaphore; each writer
-// waits for the previous key block's reduction to complete in global memory before it adds its own).
+// DETERMINISTIC: the dQ partials of a query tile are added in key-block order, and a kv head's dK and dV in query
+// head order (semaphores: each adder waits for the previous one's sums to complete in global memory).
 //
-// Compile-time parameters: IN_KIND, HEAD_DIM (64 or 128), BM (query rows a tile: 64, or 128 at head dim 64), BN
-// (128), STAGES, CAUSAL, VARLEN, DETERMINISTIC.
+// Compile-time parameters: IN_KIND, HEAD_DIM (64, 128, 256), BM (query rows a tile: 64, or 128 at head dim 64),
+// BN (keys a unit: 128, or 64 at head dim 256), STAGES, CAUSAL, VARLEN, DETERMINISTIC.
 #include "common/epilogue.cuh"
 #include "common/pipeline.cuh"
 #include "common/scheduler.cuh"
