@@ -86,20 +86,22 @@ def _compile_in_child(cache, barrier, results):
     compiler.clear_memory_cache()
     barrier.wait()  # start together
     c = compiler.compile_kernel(SRC, ENTRY, DEFS)
-    results.put((len(c.cubin), c.key))
+    results.put((len(c.cubin), c.key, c.from_disk))
 
 
-def test_two_processes_compile_into_one_empty_cache(empty_cache):
+def test_four_processes_compile_a_kernel_once(empty_cache):
+    """Four processes on one empty cache: one compiles (a lock per entry), the others wait and read its entry."""
     ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(2), ctx.Queue()
-    procs = [ctx.Process(target=_compile_in_child, args=(str(empty_cache), barrier, results)) for _ in range(2)]
+    barrier, results = ctx.Barrier(4), ctx.Queue()
+    procs = [ctx.Process(target=_compile_in_child, args=(str(empty_cache), barrier, results)) for _ in range(4)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(120)
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert [p.exitcode for p in procs] == [0] * 4
     got = [results.get(timeout=5) for _ in procs]
-    assert got[0] == got[1]
+    assert len({g[:2] for g in got}) == 1
+    assert sorted(g[2] for g in got) == [False, True, True, True]  # compiled once, read from disk three times
     assert len(_entries(empty_cache)) == 1 and not list(empty_cache.glob("*.tmp"))
     compiler.clear_memory_cache()
     assert compiler.compile_kernel(SRC, ENTRY, DEFS).from_disk

@@ -7,6 +7,8 @@ and the kernels are compiled and kept in memory.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -163,6 +165,23 @@ def _cache_unusable(path: Path, what: str, err: OSError) -> None:
                     "(set CUDART_KERNELS_CACHE_DIR to a writable directory)", what, path.parent, err)
 
 
+@contextlib.contextmanager
+def _entry_lock(path: Path):
+    """An exclusive lock on a cache entry while it is compiled, so that processes sharing a cache compile each kernel
+    once (the others wait and then read the entry). Without a usable cache directory: no lock."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (releases the lock)
+
+
 def _read_entry(path: Path):
     """Return (meta, cubin) from a cache file, or None if it is missing, unreadable, truncated or corrupt."""
     try:
@@ -244,23 +263,11 @@ def compile_kernel(source: str, entry: str, defines: dict | None = None, arch: s
     name = name or Path(source).stem
     entry_data = _read_entry(fname)
     if entry_data is None:
-        if fname.is_file():
-            log.warning("cudart_kernels: cache entry %s is corrupt; rebuilding", fname.name)
-            try:
-                fname.unlink()
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                _cache_unusable(fname, "delete a corrupt entry in", e)
-        t0 = time.perf_counter()
-        cubin, text_log = _nvrtc_compile(text, str(path), opts)
-        secs = time.perf_counter() - t0
-        meta = {"name": name, "entry": entry, "defines": dkey, "arch": arch, "log": text_log, "seconds": secs}
-        try:
-            _write_entry(fname, meta, cubin)
-        except OSError as e:
-            _cache_unusable(fname, "write", e)
-        log.info("cudart_kernels: compiled %s %s for %s in %.2f s", entry, dict(dkey), arch, secs)
+        with _entry_lock(fname):
+            entry_data = _read_entry(fname)  # (another process may have compiled it while this one waited)
+            if entry_data is None:
+                meta, cubin = _compile_entry(fname, name, entry, dkey, arch, path, opts, text)
+    if entry_data is None:
         from_disk = False
     else:
         meta, cubin = entry_data
@@ -269,6 +276,28 @@ def compile_kernel(source: str, entry: str, defines: dict | None = None, arch: s
                    report=CompileReport.parse(meta["log"], entry, cubin), seconds=meta["seconds"], from_disk=from_disk)
     _memo[memo_key] = out
     return out
+
+
+def _compile_entry(fname: Path, name: str, entry: str, dkey: tuple, arch: str, path, opts, text):
+    """NVRTC on a cache miss; the entry is written to the disk cache when it can be. Returns (meta, cubin)."""
+    if fname.is_file():
+        log.warning("cudart_kernels: cache entry %s is corrupt; rebuilding", fname.name)
+        try:
+            fname.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            _cache_unusable(fname, "delete a corrupt entry in", e)
+    t0 = time.perf_counter()
+    cubin, text_log = _nvrtc_compile(text, str(path), opts)
+    secs = time.perf_counter() - t0
+    meta = {"name": name, "entry": entry, "defines": dkey, "arch": arch, "log": text_log, "seconds": secs}
+    try:
+        _write_entry(fname, meta, cubin)
+    except OSError as e:
+        _cache_unusable(fname, "write", e)
+    log.info("cudart_kernels: compiled %s %s for %s in %.2f s", entry, dict(dkey), arch, secs)
+    return meta, cubin
 
 
 def cache_size() -> tuple[int, int]:
