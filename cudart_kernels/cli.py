@@ -55,30 +55,45 @@ def compile_all(ops, arch: str):
             yield op, compiler.compile_kernel(source, entry, defines, arch), dyn
 
 
+SUPPORTED_ARCHS = ("sm_90a",)  # the kernels use wgmma, setmaxnreg and TMA: Hopper's sm_90a features
+NO_GPU_EXIT = 3  # `selftest` without a GPU: the kernels compiled, nothing ran
+
+
 def cmd_compile(args) -> int:
     arch = args.arch or driver.target_arch()
+    if arch not in SUPPORTED_ARCHS:
+        print(f"compile: these kernels need {' or '.join(SUPPORTED_ARCHS)} (Hopper), not {arch}", file=sys.stderr)
+        return 2
     ops = args.op or list(VARIANTS)
-    print(f"compiling for {arch} into {compiler.cache_dir()}")
-    hdr = f"{'op':6} {'kernel':22} {'config':40} {'regs':>4} {'spills':>7} {'stack':>5} {'smem':>7} {'secs':>6}  status"
-    print(hdr)
-    bad = 0
-    for op, c, dyn in compile_all(ops, arch):
+    variants = [(op, v) for op in ops for v in VARIANTS[op]()]
+    print(f"compiling {len(variants)} kernel variants for {arch} into {compiler.cache_dir()}")
+    w_op = max(len(op) for op, _ in variants)
+    w_entry = max(len(v[1]) for _, v in variants)
+    count = f"[{len(variants)}/{len(variants)}]"
+    print(f"{'':{len(count)}} {'op':{w_op}} {'kernel':{w_entry}} {'regs':>4} {'spills':>6} {'stack':>5} {'smem':>6} "
+          f"{'secs':>5}  {'status':11} config")
+    bad = cached = 0
+    for i, (op, c, dyn) in enumerate(compile_all(ops, arch), 1):
         cfg = ",".join(f"{k}={v}" for k, v in c.defines)
         problems = report_problems(c, dyn)
         bad += bool(problems)
+        cached += c.from_disk
         r = c.report
-        status = "; ".join(problems) or ("ok (cached)" if c.from_disk else "ok")
+        status = "; ".join(problems) or ("cached" if c.from_disk else "ok")
         spills = r.spill_stores + r.spill_loads if r.spills_known else "-"
-        print(f"{op:6} {c.entry:22} {cfg:40} {r.registers:>4} {spills:>7} "
-              f"{r.stack_bytes:>5} {r.static_smem + dyn:>7} {c.seconds:>6.2f}  {status}")
+        print(f"{f'[{i}/{len(variants)}]':>{len(count)}} {op:{w_op}} {c.entry:{w_entry}} {r.registers:>4} {spills:>6} "
+              f"{r.stack_bytes:>5} {r.static_smem + dyn:>6} {c.seconds:>5.2f}  {status:11} {cfg}")
+    print(f"{len(variants)} variants: {len(variants) - bad} clean ({cached} from the cache), {bad} with problems")
     return 1 if bad else 0
 
 
 def cmd_selftest(args) -> int:
     if not driver.gpu_available():
-        print(f"selftest: no CUDA device ({driver._init()}); checking that every kernel compiles instead.\n")
+        print(f"selftest: no CUDA device ({driver._init()}): nothing can run here, so only the compiles are checked. "
+              f"Exit status {NO_GPU_EXIT} means they are all clean.\n")
         args.op, args.arch = None, None
-        return cmd_compile(args)
+        rc = cmd_compile(args)
+        return NO_GPU_EXIT if rc == 0 else rc
     from . import selftest
 
     return 0 if selftest.run() else 1
@@ -96,13 +111,15 @@ def cmd_bench(args) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="cudart-kernels", description=__doc__)
+    p.add_argument("--version", action="version", version=f"cudart-kernels {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log compiles (INFO)")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="package, device, driver, NVRTC and cache")
     c = sub.add_parser("compile", help="compile (or take from cache) every kernel variant; print the compile report")
     c.add_argument("--op", action="append", choices=sorted(VARIANTS))
-    c.add_argument("--arch", help="target arch (default: the device's, or sm_90a without a GPU)")
-    sub.add_parser("selftest", help="run each op against a reference (compile only without a GPU)")
+    c.add_argument("--arch", help="target arch: sm_90a (the default, also without a GPU)")
+    sub.add_parser("selftest", help=f"run each op against a reference (without a GPU: compile only, exit status "
+                                    f"{NO_GPU_EXIT} when clean)")
     b = sub.add_parser("bench", help="benchmarks against same-run peers (protocol: docs/tuning.md)")
     b.add_argument("--op", action="append", choices=["quant", "gemm", "gemm_fp8", "gemm_fp8_grouped", "host", "attention", "attention_bwd"])
     b.add_argument("--json", help="write the rows to this JSON file")

@@ -22,14 +22,29 @@ def test_info():
 def test_compile_prints_report():
     r = run("compile", "--op", "quant", "--arch", "sm_90a")
     assert r.returncode == 0, r.stdout + r.stderr
-    lines = [l for l in r.stdout.splitlines() if l.startswith("quant ")]
-    assert len(lines) == 6 and all(" ok" in l for l in lines)
+    lines = [l.split() for l in r.stdout.splitlines() if l.lstrip().startswith("[")]
+    assert [l[0] for l in lines] == [f"[{i}/6]" for i in range(1, 7)]
+    assert all(l[1] == "quant" and l[8] in ("ok", "cached") for l in lines)
+    assert r.stdout.rstrip().endswith("6 variants: 6 clean (%d from the cache), 0 with problems"
+                                      % sum(l[8] == "cached" for l in lines))
+
+
+def test_compile_names_the_arch_it_needs():
+    r = run("compile", "--op", "quant", "--arch", "sm_80")
+    assert r.returncode == 2 and r.stderr.strip() == "compile: these kernels need sm_90a (Hopper), not sm_80"
+
+
+def test_version():
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == "cudart-kernels 0.1.0"
 
 
 @pytest.mark.skipif(HAS_GPU, reason="the no-GPU path")
-def test_selftest_without_gpu_compiles():
+def test_selftest_without_gpu_compiles_and_says_nothing_ran():
     r = run("selftest")
-    assert r.returncode == 0 and "no CUDA device" in r.stdout and "quantize_per_block" in r.stdout
+    assert r.returncode == 3, r.stdout + r.stderr  # not 0: no op was run against its reference
+    assert "no CUDA device" in r.stdout and "only the compiles are checked" in r.stdout
+    assert "quantize_per_block" in r.stdout and "0 with problems" in r.stdout
 
 
 def test_bench_rejects_unknown_op():
