@@ -60,3 +60,15 @@ def test_core_and_torch_layer_import_no_torch():
     code = ("import sys, cudart_kernels, cudart_kernels.torch as ckt; "
             "assert 'torch' not in sys.modules, 'torch imported'; assert ckt.__all__ == ['attention']")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_exceptions_and_type_marker_are_public():
+    import importlib.resources
+
+    import cudart_kernels as ck
+    from cudart_kernels.runtime import compiler, driver, interop
+
+    assert (ck.NoDeviceError, ck.CudaError, ck.CompileError, ck.HostArrayError) == (
+        driver.NoDeviceError, driver.CudaError, compiler.CompileError, interop.HostArrayError)
+    assert issubclass(ck.HostArrayError, TypeError)
+    assert importlib.resources.files("cudart_kernels").joinpath("py.typed").is_file()
