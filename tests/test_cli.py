@@ -72,3 +72,33 @@ def test_exceptions_and_type_marker_are_public():
         driver.NoDeviceError, driver.CudaError, compiler.CompileError, interop.HostArrayError)
     assert issubclass(ck.HostArrayError, TypeError)
     assert importlib.resources.files("cudart_kernels").joinpath("py.typed").is_file()
+
+
+@pytest.mark.skipif(HAS_GPU, reason="the no-GPU path")
+def test_ops_without_gpu_raise_one_line_no_device_error():
+    """Every op path, with or without out=, stops at NoDeviceError (naming the cause) before NVRTC or the driver."""
+    code = r"""
+import cudart_kernels as ck
+from cudart_kernels.runtime.interop import as_array
+from cudart_kernels.runtime import compiler
+a = lambda shape, dtype="bfloat16": as_array((1 << 20, shape, None, dtype))
+calls = [lambda: ck.gemm(a((128, 256)), a((64, 256))),
+         lambda: ck.gemm(a((128, 256)), a((64, 256)), out=a((128, 64))),
+         lambda: ck.quantize_fp8_per_token(a((128, 256))),
+         lambda: ck.attention(a((1, 64, 2, 64)), a((1, 64, 2, 64)), a((1, 64, 2, 64)), out=a((1, 64, 2, 64))),
+         lambda: ck.attention_backward(a((1, 64, 2, 64)), a((1, 64, 2, 64)), a((1, 64, 2, 64)), a((1, 64, 2, 64)),
+                                       a((1, 64, 2, 64)), a((1, 2, 64), "float32"), dq=a((1, 64, 2, 64)),
+                                       dk=a((1, 64, 2, 64)), dv=a((1, 64, 2, 64)))]
+for call in calls:
+    try:
+        call()
+    except ck.NoDeviceError as e:
+        msg = str(e)
+        assert "\n" not in msg and msg.startswith("cudart-kernels needs an sm_90a (Hopper) GPU"), msg
+    else:
+        raise AssertionError("no NoDeviceError")
+assert not compiler._memo, "NVRTC ran before the device check"
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr

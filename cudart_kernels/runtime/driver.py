@@ -73,8 +73,33 @@ def _primary_context_handle(device: int) -> int:
     return int(primary_context(device))
 
 
+@functools.lru_cache(maxsize=None)
+def _device_problem(device: int) -> str | None:
+    """Why `device` cannot run these kernels (no driver, no such GPU, not Hopper), or None."""
+    reason = _init()
+    if reason is not None:
+        return f"cudart-kernels needs an sm_90a (Hopper) GPU: {reason}"
+    n = device_count()
+    if not 0 <= device < n:
+        return f"cudart-kernels: there is no CUDA device {device} ({n} present)"
+    p = device_properties(device)
+    if p.compute_capability != (9, 0):
+        major, minor = p.compute_capability
+        return f"cudart-kernels needs an sm_90a (Hopper) GPU; device {device} is {p.name} (sm_{major}{minor})"
+    return None
+
+
+def require_device(device: int) -> None:
+    """Raise NoDeviceError (one line naming the cause) unless `device` is a Hopper GPU the driver can use."""
+    problem = _device_problem(device)
+    if problem is not None:
+        raise NoDeviceError(problem)
+
+
 def use_device(device: int) -> None:
-    """Make `device`'s primary context current on this thread (the one torch, cupy and jax use)."""
+    """Make `device`'s primary context current on this thread (the one torch, cupy and jax use); NoDeviceError
+    first when it cannot run these kernels."""
+    require_device(device)
     current = cu.cuCtxGetCurrent()[1]
     if current is None or int(current) != _primary_context_handle(device):
         check(cu.cuCtxSetCurrent(primary_context(device)))

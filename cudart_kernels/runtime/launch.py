@@ -259,7 +259,9 @@ def get_launcher(source: str, entry: str, defines: dict, device: int, arg_kinds,
     lau = _launchers.get(key)
     if lau is None:
         from .compiler import compile_kernel
-        from .driver import target_arch
+        from .driver import require_device, target_arch
+
+        require_device(device)  # (before NVRTC: without a usable GPU one line says why)
 
         compiled = compile_kernel(source, entry, defines, target_arch(device))
         lau = _launchers[key] = Launcher(load(compiled, device), arg_kinds, block, smem, cluster, pdl)
