@@ -11,6 +11,10 @@ import torch
 
 from .ops.attention import attention as _attention
 from .ops.attention_bwd import attention_backward as _attention_backward
+from .ops.gemm import gemm as _gemm
+from .ops.gemm_fp8 import gemm_fp8 as _gemm_fp8
+from .ops.quantize import quantize_fp8_per_block as _quantize_per_block
+from .ops.quantize import quantize_fp8_per_token as _quantize_per_token
 
 _LIB = "cudart_kernels"
 
@@ -91,3 +95,125 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     out, _ = attention_fwd(q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
     return out
+
+
+# ---- GEMMs and FP8 quantization -----------------------------------------------------------------------------------
+
+def _stream(t: torch.Tensor):
+    return torch.cuda.current_stream(t.device)
+
+
+def _gemm_shape(a: torch.Tensor, b: torch.Tensor, b_layout: str) -> tuple:
+    return a.shape[0], b.shape[1] if b_layout == "kn" else b.shape[0]
+
+
+@torch.library.custom_op(f"{_LIB}::gemm", mutates_args=(), device_types="cuda")
+def gemm_op(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None, b_layout: str,
+            out_dtype: torch.dtype | None) -> torch.Tensor:
+    out = torch.empty(_gemm_shape(a, b, b_layout), dtype=out_dtype or a.dtype, device=a.device)
+    _gemm(a, b, out=out, c=c, b_layout=b_layout, stream=_stream(a))
+    return out
+
+
+@gemm_op.register_fake
+def _(a, b, c, b_layout, out_dtype):
+    return a.new_empty(_gemm_shape(a, b, b_layout), dtype=out_dtype or a.dtype)
+
+
+def _gemm_setup(ctx, inputs, output):
+    a, b, c, b_layout, _ = inputs
+    ctx.save_for_backward(a, b)
+    ctx.b_layout, ctx.has_c = b_layout, c is not None
+
+
+def _matmul(x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [M, K] @ y [K, N] with our GEMM where its rows are 16-byte aligned (K and N multiples of 8), else torch's."""
+    x, y = x.contiguous(), y.contiguous()
+    if x.shape[1] % 8 == 0 and y.shape[1] % 8 == 0:
+        return gemm_op(x, y, None, "kn", dtype)
+    return (x @ y).to(dtype)
+
+
+def _gemm_backward(ctx, dd):
+    """D = A B^T (nk) or A B (kn): dA and dB are GEMMs in dD's 16-bit dtype (cast when D was fp32); dC = dD."""
+    a, b = ctx.saved_tensors
+    g = dd.to(a.dtype)
+    if ctx.b_layout == "nk":
+        da, db = _matmul(g, b, a.dtype), _matmul(g.t(), a, b.dtype)      # dD B, dD^T A
+    else:
+        da, db = _matmul(g, b.t(), a.dtype), _matmul(a.t(), g, b.dtype)  # dD B^T, A^T dD
+    return da, db, (dd if ctx.has_c else None), None, None
+
+
+gemm_op.register_autograd(_gemm_backward, setup_context=_gemm_setup)
+
+
+def _token_scale_strides(m: int) -> tuple:
+    return 1, (m + 3) // 4 * 4  # quantize_fp8_per_token's "mmajor" layout
+
+
+@torch.library.custom_op(f"{_LIB}::quantize_fp8_per_token", mutates_args=(), device_types="cuda")
+def quantize_fp8_per_token_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty_strided((m, (k + 127) // 128), _token_scale_strides(m), dtype=torch.float32, device=x.device)
+    _quantize_per_token(x, out=q, out_scales=s, stream=_stream(x))
+    return q, s
+
+
+@quantize_fp8_per_token_op.register_fake
+def _(x):
+    m, k = x.shape
+    return (x.new_empty((m, k), dtype=torch.float8_e4m3fn),
+            x.new_empty_strided((m, (k + 127) // 128), _token_scale_strides(m), dtype=torch.float32))
+
+
+@torch.library.custom_op(f"{_LIB}::quantize_fp8_per_block", mutates_args=(), device_types="cuda")
+def quantize_fp8_per_block_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = w.shape
+    q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty(((n + 127) // 128, (k + 127) // 128), dtype=torch.float32, device=w.device)
+    _quantize_per_block(w, out=q, out_scales=s, stream=_stream(w))
+    return q, s
+
+
+@quantize_fp8_per_block_op.register_fake
+def _(w):
+    n, k = w.shape
+    return (w.new_empty((n, k), dtype=torch.float8_e4m3fn),
+            w.new_empty(((n + 127) // 128, (k + 127) // 128), dtype=torch.float32))
+
+
+@torch.library.custom_op(f"{_LIB}::gemm_fp8", mutates_args=(), device_types="cuda")
+def gemm_fp8_op(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16, device=a.device)
+    _gemm_fp8(a, sa, b, sb, out=out, stream=_stream(a))
+    return out
+
+
+@gemm_fp8_op.register_fake
+def _(a, sa, b, sb):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16)
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, *, b_layout: str = "nk",
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """cudart_kernels.gemm as a torch op: A @ B^T (b_layout "nk") or A @ B ("kn") (+ C), a new tensor of
+    `out_dtype` (default A's); differentiable (the gradients are our GEMMs where their rows are 16-byte aligned,
+    torch's otherwise)."""
+    return gemm_op(a, b, c, b_layout, out_dtype)
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cudart_kernels.quantize_fp8_per_token as a torch op: (e4m3 [M, K], fp32 scales [M, K / 128] M-major)."""
+    return quantize_fp8_per_token_op(x)
+
+
+def quantize_fp8_per_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cudart_kernels.quantize_fp8_per_block as a torch op: (e4m3 [N, K], fp32 scales per 128 x 128 block)."""
+    return quantize_fp8_per_block_op(w)
+
+
+def gemm_fp8(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    """cudart_kernels.gemm_fp8 as a torch op: (A * sA) @ (B * sB)^T in bf16, a new tensor."""
+    return gemm_fp8_op(a, sa, b, sb)

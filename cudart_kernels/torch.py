@@ -1,5 +1,6 @@
-"""The torch layer: cudart-kernels ops as `torch.library` custom ops, with fake (meta) implementations and autograd
-formulas, so that they compose with `loss.backward()`, `torch.compile(fullgraph=True)` and `torch.cuda.graph`.
+"""The torch layer: cudart-kernels ops as `torch.library` custom ops, with fake (meta) implementations (and autograd
+formulas for attention and gemm), so that they compose with `loss.backward()`, `torch.compile(fullgraph=True)` and
+`torch.cuda.graph`. Each returns new tensors allocated by torch on torch's current stream.
 
     import cudart_kernels.torch as ckt
     out = ckt.attention(q, k, v, causal=True)   # q [B, S, H, D] (or packed varlen), differentiable
@@ -10,7 +11,7 @@ torch.ops.cudart_kernels.*), the first time one of its functions is looked up. T
 """
 from __future__ import annotations
 
-__all__ = ["attention"]
+__all__ = ["attention", "gemm", "gemm_fp8", "quantize_fp8_per_block", "quantize_fp8_per_token"]
 
 
 def __getattr__(name: str):

@@ -1,5 +1,6 @@
 """cudart_kernels.torch: attention as torch custom ops with autograd, against torch SDPA's gradients, trained for a
-few steps under torch.compile(fullgraph=True) and replayed inside a CUDA graph."""
+few steps under torch.compile(fullgraph=True) and replayed inside a CUDA graph; the GEMM and FP8 ops in a compiled
+MLP, and gemm's gradients."""
 import copy
 
 import pytest
@@ -116,3 +117,38 @@ def test_varlen_gradients_match_per_sequence_sdpa():
     torch.cat(outs).float().square().sum().backward()
     for g, t in zip(grads, (q, k, v)):
         assert _rel(g, t.grad) < 2e-2
+
+
+def test_fp8_mlp_under_torch_compile_matches_eager_and_the_reference():
+    """quantize -> gemm_fp8 -> gelu -> gemm as cudart_kernels.torch ops, compiled with fullgraph=True (no graph break)
+    against the same ops eagerly and against float64."""
+    torch.manual_seed(5)
+    w1 = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    w2 = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) / 16
+    qw, sw = ckt.quantize_fp8_per_block(w1)
+
+    def mlp(x):
+        q, s = ckt.quantize_fp8_per_token(x)
+        h = torch.nn.functional.gelu(ckt.gemm_fp8(q, s, qw, sw))
+        return ckt.gemm(h, w2)
+
+    x = torch.randn(200, 256, device="cuda", dtype=torch.bfloat16)
+    eager = mlp(x)
+    compiled = torch.compile(mlp, fullgraph=True)(x)
+    assert compiled.shape == (200, 256) and compiled.dtype == torch.bfloat16
+    assert _rel(compiled, eager) < 1e-2
+    ref = torch.nn.functional.gelu(x.double() @ w1.double().t()) @ w2.double().t()
+    assert _rel(compiled, ref) < 5e-2  # (FP8 inputs)
+
+
+def test_gemm_gradients_match_torch():
+    torch.manual_seed(6)
+    for layout in ("nk", "kn"):
+        a = torch.randn(130, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        b = torch.randn(*((96, 256) if layout == "nk" else (256, 96)), device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True)
+        ckt.gemm(a, b, b_layout=layout).float().square().mean().backward()
+        ga, gb = a.grad.clone(), b.grad.clone()
+        a.grad = b.grad = None
+        ((a @ (b.t() if layout == "nk" else b)).float().square().mean()).backward()
+        assert _rel(ga, a.grad) < 2e-2 and _rel(gb, b.grad) < 2e-2, layout
