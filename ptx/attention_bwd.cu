@@ -508,14 +508,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       mbar_wait(&sh.ds_full[tile & 1], (tile >> 1) & 1);
       issue_dq(acc, smem + SMEM_DS + (tile & 1) * DS_TILE + ds_rows, k_cols);
     };
-    // this consumer's dQ half to the writer, once its previous reduction has read the buffer
-    const auto send_dq = [&](const float (&acc)[ACC_Q]) {
+    // This consumer's dQ half goes to the writer in two steps: stored once its previous reduction has read the
+    // buffer, handed over (proxy fence, barrier) after the next tile's S^T and dP^T are issued (handed over at once,
+    // the fence waited for the stores to drain through the busy shared-memory pipe).
+    bool dq_stored = false;
+    const auto store_dq = [&](const float (&acc)[ACC_Q]) {
       if (dq_sent++ != 0) named_barrier(BAR_DQ_EMPTY + c, 128 + 32);
 #pragma unroll
       for (int j = 0; j < ACC_Q / 16; ++j)
         f32_chunk<32>(acc, j, smem + SMEM_DQ + (c * (ACC_Q / 16) + j) * DQ_BOX, warp, lane);
+      dq_stored = true;
+    };
+    const auto hand_dq = [&]() {
+      if (!dq_stored) return;
       fence_proxy_async_smem();
       asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_FULL + c), "r"(128 + 32) : "memory");
+      dq_stored = false;
     };
     bool first = true;
     if constexpr (SPLIT_D) {
@@ -620,6 +628,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         issue_t(dp, v_rows, do_tile);
         wgmma_commit();
         turn_pass(c);
+        hand_dq();  // the previous tile's dQ, stored while its own GEMMs finished
         wgmma_wait<1>();
         fence_registers(s);
         const int q0 = m * BM;
@@ -635,9 +644,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         const int buf = tiles & 1;
         mbar_wait(&sh.ds_empty[buf], ((tiles >> 1) & 1) ^ 1);
         store_fragments(smem + SMEM_DS + buf * DS_TILE + c * KEYS * 128, dsf, warp, lane);
-        fence_proxy_async_smem();
-        __syncwarp();
-        mbar_arrive_by_lane0(smem_u32(&sh.ds_full[buf]), lane);
+        // (the other consumer reads it a tile later: handed over after this turn's GEMMs are issued, by when the
+        // stores have drained)
+        const auto ds_written = [&]() {
+          fence_proxy_async_smem();
+          __syncwarp();
+          mbar_arrive_by_lane0(smem_u32(&sh.ds_full[buf]), lane);
+        };
         turn_wait(c);
         wgmma_fence();
         issue_rs(dv, pf, do_tile);
@@ -655,17 +668,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         if (first) {
           wgmma_commit();
           turn_pass(c);
+          ds_written();
           wgmma_wait<0>();
         } else {  // and the previous tile's dQ, whose dS^T both consumers have written by now
           float dq[ACC_Q];
           issue_dq_of(dq, tiles - 1);
           wgmma_commit();
           turn_pass(c);
+          ds_written();
           wgmma_wait<0>();
           fence_registers(dq);
           mbar_arrive_by_lane0(smem_u32(&sh.ds_empty[(tiles - 1) & 1]), lane);
           release_stage();
-          send_dq(dq);
+          store_dq(dq);
         }
         if (first) release_stage();
         first = false;
@@ -681,7 +696,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       wgmma_wait<0>();
       fence_registers(dq);
       mbar_arrive_by_lane0(smem_u32(&sh.ds_empty[(tiles - 1) & 1]), lane);
-      send_dq(dq);
+      hand_dq();
+      store_dq(dq);
+      hand_dq();
     }
     mbar_arrive_by_lane0(smem_u32(sh.kv_empty), lane);  // every wgmma that read K and V is done
 
