@@ -53,7 +53,7 @@ constexpr int CONSUMERS = 2;
 // Head dim 256 (SPLIT_D): dK and dV of 64 keys take 256 registers a thread, so the consumers split the head dim
 // instead of the keys: each computes S^T and dP^T of the block's 64 keys itself (a third more tensor work, nothing
 // to exchange), keeps dK and dV for its half of the head dim and computes that half of dQ, which it adds into the
-// accumulator from registers (red.global.add).
+// accumulator itself (red.global.add of whole 128-byte rows, staged in shared memory: no room for a dQ tile).
 constexpr bool SPLIT_D = D == 256;
 constexpr int KEYS = SPLIT_D ? BN : BN / CONSUMERS;  // keys a consumer warpgroup's dK and dV rows cover
 constexpr int KV_COLS = SPLIT_D ? D / CONSUMERS : D;  // and head-dim columns
@@ -86,14 +86,14 @@ constexpr int CONSUMER_REGS = 232;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS * LAUNCH_REGS,
               "setmaxnreg beyond the CTA's register allocation");
 
-// Shared memory (1024-byte aligned base): K | V | Q stages | dO stages | dS^T x 2 (SPLIT_D: and the epilogue's
-// staging) | dQ partial | LSE stages | dPsum stages | barriers.
+// Shared memory (1024-byte aligned base): K | V | Q stages | dO stages | dS^T x 2 (SPLIT_D: and the dQ rows'
+// staging, both within the epilogue's staging) | dQ partial | LSE stages | dPsum stages | barriers.
 constexpr int SMEM_K = 0;
 constexpr int SMEM_V = SMEM_K + KV_TILE;
 constexpr int SMEM_Q = SMEM_V + KV_TILE;
 constexpr int SMEM_DO = SMEM_Q + STAGES * Q_STAGE;
 constexpr int SMEM_DS = SMEM_DO + STAGES * Q_STAGE;
-// SPLIT_D: the epilogue's staging for dK and dV (4 panels) reaches past the two dS^T tiles (2 panels)
+// SPLIT_D: the epilogue's staging for dK and dV (4 panels) covers the two dS^T tiles and the dQ staging (2 panels)
 constexpr int SMEM_DQ = SMEM_DS + (SPLIT_D ? CONSUMERS * KV_COLS * 128 : DS_BUFS * DS_TILE);
 constexpr int SMEM_LSE = SMEM_DQ + DQ_TILE;
 constexpr int SMEM_DPSUM = SMEM_LSE + STAGES * BM * 4;
@@ -104,12 +104,15 @@ constexpr int SMEM_BYTES = SMEM_BARS + (4 * STAGES + 10) * 8 + 8;
 static_assert(SMEM_BYTES + 1024 <= 227 * 1024, "shared memory beyond an SM90 CTA's opt-in limit");
 
 // The epilogue stages a consumer's dK (then dV) in 64-row panels of 64 columns: in its rows of the dS^T tiles, or
-// (SPLIT_D) in its half of the dS^T, P^T and dP^T region.
+// (SPLIT_D) in its half of the dS^T and dQ staging region.
 __device__ __forceinline__ int stage_panel(int c, int pn) {
   return SPLIT_D ? SMEM_DS + (c * (KV_COLS / 64) + pn) * 64 * 128 : SMEM_DS + pn * DS_TILE + c * KEYS * 128;
 }
 static_assert(SPLIT_D ? SMEM_DQ - SMEM_DS >= CONSUMERS * KV_COLS * 128 : PANELS <= DS_BUFS,
               "dK / dV panels are staged in the dS^T tiles");
+// SPLIT_D: a consumer stages dQ rows in 64 x 128 bytes after the two dS^T tiles
+constexpr int SMEM_DQ_ROWS = SMEM_DS + CONSUMERS * DS_TILE;
+static_assert(!SPLIT_D || SMEM_DQ_ROWS + CONSUMERS * 64 * 128 <= SMEM_DQ, "dQ row staging within its region");
 
 // Named barriers, each consumer c its own: its dQ half written (consumer -> writer), its dQ half free again
 // (writer -> consumer), its turn to issue GEMMs, its warpgroup; and both consumers together.
@@ -586,7 +589,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
           }
           named_barrier(BAR_WG + c, 128);
         }
-        const i64 acc_row0 = i64(VARLEN ? t.q_off : t.b * seqlen_q) + q0 + frag_row;
+        // Each warp stages its 16 rows of 32 columns at a time in shared memory (the 16 KB after the dS^T tiles,
+        // 8 KB a consumer) and reads them back as whole 128-byte rows: a red.v4 then adds 4 rows of 128 bytes, where
+        // adding the fragments directly spread 8-byte pairs over 8 rows (4x the L2 requests per byte).
+        u8* dq_stage = smem + SMEM_DQ_ROWS + c * (64 * 128);
+        const i64 acc_row0 = i64(VARLEN ? t.q_off : t.b * seqlen_q) + q0;
 #pragma unroll 1
         for (int pass = 0; pass < KV_COLS / DQ_N; ++pass) {
           if (pass > 0) {
@@ -597,12 +604,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
             fence_registers(dq);
           }
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            if (q0 + frag_row + 8 * h < t.sq) {
-              float* row = dq_acc + ((acc_row0 + 8 * h) * heads_q + t.hq) * D + c * KV_COLS + pass * DQ_N + frag_col;
+          for (int j = 0; j < DQ_N / 32; ++j) {
+            f32_chunk<32>(dq, j, dq_stage, warp, lane);
+            __syncwarp();
 #pragma unroll
-              for (int i = 0; i < ACC_Q / 4; ++i) red_add_f32x2(row + 8 * i, dq[4 * i + 2 * h], dq[4 * i + 2 * h + 1]);
+            for (int step = 0; step < 4; ++step) {
+              const int r = warp * 16 + step * 4 + lane / 8, g = lane % 8;
+              const float4 x = ld_shared_f32x4(smem_u32(dq_stage + swizzled_offset<128>(r, g)));
+              if (q0 + r < t.sq)
+                red_add_f32x4(dq_acc + ((acc_row0 + r) * heads_q + t.hq) * D + c * KV_COLS + pass * DQ_N + j * 32 +
+                                  g * 4, x);
             }
+            __syncwarp();
           }
         }
         if (DETERMINISTIC) {
