@@ -141,31 +141,45 @@ __device__ __forceinline__ int first_tile(int n, int sq, int sk) {
 }
 
 // Units (key block, query head, sequence), key blocks fastest: a head's blocks run side by side and share its Q
-// and dO tiles in L2, and (causal) the longest block of a head comes first. GQA: the query heads of a kv head each
-// have their units (as many as without GQA, the same L2 footprint), whose dK and dV are summed in fp32 (the
+// and dO tiles in L2. Causal units (key block n sees the query tiles from first_tile(n) on: block 0 is the longest)
+// run in chunks of head_group (sequence, query head) pairs whose Q, dO and dQ sums fit in L2 together, within a
+// chunk key block by key block, longest first across the chunk's heads, so that the grid ends on short units (head
+// by head, the last head's first block started when little other work was left). GQA: the query heads of a kv head
+// each have their units (as many as without GQA, the same L2 footprint), whose dK and dV are summed in fp32 (the
 // epilogue). A CTA starts with unit blockIdx.x and takes the next from a global counter when its producer is ready
 // for one (the long-first order balances itself); the producer hands each index to the consumers and the dQ
 // writer through a two-slot ring in shared memory. The last CTA to finish sets the counter back to zero. In
 // DETERMINISTIC mode this order matters too: the units an addition waits for (earlier key blocks of the head for
 // dQ, earlier query heads of the group for dK and dV) were handed out before it, to CTAs that are running.
 struct BwdScheduler : PersistentUnits {
-  int n_blocks, heads_q, group, seqlen_q, seqlen_k, s_pad;
+  int n_blocks, heads_q, batch, group, seqlen_q, seqlen_k, s_pad, head_group;
   const int* cu_q;
   const int* cu_k;
 
-  __device__ __forceinline__ BwdScheduler(int heads_q_, int group_, int batch, int seqlen_q_, int seqlen_k_,
-                                          const int* cu_q_, const int* cu_k_)
-      : PersistentUnits((seqlen_k_ + BN - 1) / BN * heads_q_ * batch, 1), n_blocks((seqlen_k_ + BN - 1) / BN),
-        heads_q(heads_q_), group(group_), seqlen_q(seqlen_q_), seqlen_k(seqlen_k_),
-        s_pad((seqlen_q_ + STAT_PAD - 1) / STAT_PAD * STAT_PAD), cu_q(cu_q_), cu_k(cu_k_) {}
+  __device__ __forceinline__ BwdScheduler(int heads_q_, int group_, int batch_, int seqlen_q_, int seqlen_k_,
+                                          int head_group_, const int* cu_q_, const int* cu_k_)
+      : PersistentUnits((seqlen_k_ + BN - 1) / BN * heads_q_ * batch_, 1), n_blocks((seqlen_k_ + BN - 1) / BN),
+        heads_q(heads_q_), batch(batch_), group(group_), seqlen_q(seqlen_q_), seqlen_k(seqlen_k_),
+        s_pad((seqlen_q_ + STAT_PAD - 1) / STAT_PAD * STAT_PAD), head_group(head_group_), cu_q(cu_q_),
+        cu_k(cu_k_) {}
 
   __device__ __forceinline__ BwdUnit unit(int u) const {
     BwdUnit t;
-    t.n = u % n_blocks;
-    const int rest = u / n_blocks;
-    t.hq = rest % heads_q;
+    if (CAUSAL) {
+      const int per_chunk = head_group * n_blocks;
+      const int chunk = u / per_chunk, r = u - chunk * per_chunk;
+      const int first = chunk * head_group, size = min(head_group, heads_q * batch - first);
+      t.n = r / size;
+      const int bh = first + r % size;
+      t.hq = bh % heads_q;
+      t.b = bh / heads_q;
+    } else {
+      t.n = u % n_blocks;
+      const int rest = u / n_blocks;
+      t.hq = rest % heads_q;
+      t.b = rest / heads_q;
+    }
     t.hkv = t.hq / group;
-    t.b = rest / heads_q;
     if (VARLEN) {
       t.q_off = __ldg(cu_q + t.b);
       t.k_off = __ldg(cu_k + t.b);
@@ -318,18 +332,17 @@ __device__ __forceinline__ u32 bar_arrivals(int i) {
 // swizzled. dk_out / dv_out with element strides (row, head): the outputs for varlen row-by-row stores.
 // tm_stats: the prep kernel's LSE (base 2) rows then dPsum rows, (stat rows, 2 x query heads) fp32 with boxes
 // {BM, 1}. cu_q / cu_k: varlen offsets. seqlen_q / seqlen_k: the lengths (varlen: the longest). group: query heads
-// per kv head. scale_log2: softmax scale * log2(e); scale: the softmax scale (dK). unit_counter: two ints, zero
-// between launches; semaphores (DETERMINISTIC): an int per (sequence, query head, query tile), zero between
-// launches.
+// per kv head. head_group: (sequence, query head) pairs per causal chunk (BwdScheduler). scale_log2: softmax scale
+// * log2(e); scale: the softmax scale (dK). unit_counter: two ints, zero between launches; semaphores
+// (DETERMINISTIC): an int per (sequence, query head, query tile), zero between launches.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     const __grid_constant__ CUtensorMap_st tm_q, const __grid_constant__ CUtensorMap_st tm_k,
     const __grid_constant__ CUtensorMap_st tm_v, const __grid_constant__ CUtensorMap_st tm_do,
     const __grid_constant__ CUtensorMap_st tm_dq, const __grid_constant__ CUtensorMap_st tm_dk,
     const __grid_constant__ CUtensorMap_st tm_dv, const __grid_constant__ CUtensorMap_st tm_stats, void* dk_out,
     void* dv_out, i64 dk_row, i64 dk_head, i64 dv_row, i64 dv_head, const int* cu_q, const int* cu_k, int seqlen_q,
-    int seqlen_k, int heads_q, int batch, int group, float scale_log2, float scale, float* dq_acc, float* dk_acc,
-    float* dv_acc,
-    int* unit_counter, int* semaphores, int* kv_semaphores) {
+    int seqlen_k, int heads_q, int batch, int group, int head_group, float scale_log2, float scale, float* dq_acc,
+    float* dk_acc, float* dv_acc, int* unit_counter, int* semaphores, int* kv_semaphores) {
   const int wg = warpgroup_index();
   if (threadIdx.x == 0) {
     u8* smem = smem_aligned_1024();
@@ -350,7 +363,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     regs_decrease<PRODUCER_REGS>();
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     if (warp == 0) {  // ---- producer: the warp walks the units (its values warp-uniform), lane 0 issues ----
-      const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, cu_q, cu_k);
+      const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, head_group, cu_q, cu_k);
       const bool leader = lane == 0;
       Pipe st;
       for (int k = 0, u = sched.first;; ++k) {
@@ -420,7 +433,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         pdl_launch_dependents();
       }
     } else if (warp == 1) {  // ---- dQ writer: adds each tile's partial into the accumulator ----
-      const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, cu_q, cu_k);
+      const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, head_group, cu_q, cu_k);
       for (int k = 0, u = sched.first;; ++k) {
         const BwdShared sh;  // (derived afresh, as in the producer)
         u8* smem = sh.base;
@@ -477,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
   regs_increase<CONSUMER_REGS>();
   const BwdShared sh;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, cu_q, cu_k);
+  const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, head_group, cu_q, cu_k);
   u8* smem = sh.base;
   const int c = wg - 1;
   const int frag_row = warp * 16 + lane / 4;  // the thread's first key row within the consumer's 64

@@ -86,3 +86,15 @@ def test_bad_input_raises_before_any_launch(over, err, match):
 def test_default_tiles_fit_shared_memory(d):
     cfg = bwd.pick_config(d)
     assert cfg.smem <= bwd.SMEM_BUDGET and cfg.bm in (64, 128) and cfg.bn == (64 if d == 256 else 128)
+
+
+def test_causal_head_group_fits_l2_budget():
+    from cudart_kernels.ops.attention import Dims
+
+    def group(b, h, s, d):
+        return bwd.causal_head_group(Dims(b, h, h, d, s, s, False))
+    assert group(4, 16, 4096, 128) == 8  # 4 MiB of Q, dO and dQ sums a head in 32 MiB
+    assert group(1, 16, 16384, 128) == 2
+    assert group(1, 8, 65536, 256) == 1  # never below one head
+    assert group(1, 2, 128, 64) == 2     # never more than the heads there are
+    assert bwd.causal_head_group(Dims(1, 4, 4, 128, 4096, 4096, False), bwd.AttnBwdTuning(causal_l2_bytes=0)) == 1

@@ -31,7 +31,7 @@ HEAD_DIMS = (64, 128, 256)
 ROWS_PREP = 64  # query rows a CTA of the row kernels (ptx/attention_bwd_prep.cu)
 STAT_PAD = 128  # the LSE / dPsum rows' padding (both kernels)
 _MAIN_ARGS = ("tmap",) * 8 + ("ptr", "ptr", "i64", "i64", "i64", "i64", "ptr", "ptr", "i32", "i32", "i32", "i32",
-                              "i32", "f32", "f32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr")
+                              "i32", "i32", "f32", "f32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr")
 _PREP_ARGS = ("ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "ptr", "i64", "ptr", "ptr",
               "i32")
 _DQ_ARGS = ("ptr", "ptr", "i64", "i64", "i64", "ptr", "i32", "f32")
@@ -42,6 +42,8 @@ class AttnBwdTuning:
     """Per head dim: query rows a tile (64; 128 at head dim 64), keys a unit (128: 64 per consumer warpgroup) and
     Q / dO ring stages (docs/tuning.md). Head dim 256 takes 64-key units (its consumers split the head dim)."""
     tiles: tuple = ((64, (128, 128, 2)), (128, (64, 128, 2)), (256, (64, 64, 2)))
+    # causal units run in chunks of (sequence, query head) pairs whose Q, dO and fp32 dQ sums take about this much L2
+    causal_l2_bytes: int = 32 << 20
     pdl: bool = True
 
 
@@ -198,7 +200,8 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
             _map_layout(dkv, dims.varlen, 64), _map_layout(dvv, dims.varlen, 64),
             MapLayout(dt.float32, (stat_head, 2 * dims.heads_q), (stat_head * 4,), (cfg.bm, 1), 0))
     group = dims.heads_q // dims.heads_kv
-    scalars = (dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.batch, group, scale * math.log2(math.e), scale)
+    scalars = (dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.batch, group, causal_head_group(dims, tuning),
+               scale * math.log2(math.e), scale)
     m_blocks = -(-dims.seqlen_q // cfg.bm)
     scratch = (("attn_bwd_dq", max(rows_q, 1) * dims.heads_q * dims.head_dim * 4, False),
                ("attn_bwd_stats", 2 * dims.heads_q * stat_head * 4, False),
@@ -216,6 +219,13 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
     return _Plan(cfg, main, prep, post, grid, row_grid, maps, scalars, scratch, stat_head,
                  run_main=units > 0, run_rows=m_prep > 0 and dims.batch > 0, kv_acc_floats=kv_acc_floats,
                  kv_grid=kv_grid)
+
+
+def causal_head_group(dims: Dims, tuning: AttnBwdTuning = TUNING) -> int:
+    """(sequence, query head) pairs per causal chunk (ptx/attention_bwd.cu, BwdScheduler): as many as share
+    causal_l2_bytes of Q, dO (16-bit) and dQ sums (fp32)."""
+    per_head = max(dims.seqlen_q, 1) * dims.head_dim * 8
+    return max(1, min(dims.heads_q * dims.batch, tuning.causal_l2_bytes // per_head))
 
 
 def _strides(x: DeviceArray, varlen: bool) -> tuple:
