@@ -1,7 +1,8 @@
 """The custom ops behind cudart_kernels.torch (imported on first use: it imports torch and registers them).
 
-Each op runs our kernel on torch's current stream, into tensors torch allocates (so a CUDA graph capture keeps
-them in its pool); the fake implementations give the same shapes, dtypes and (contiguous) strides.
+Each op calls the library op on torch tensors without `out=` or `stream=`: it runs on torch's current stream, into
+tensors torch allocates (so a CUDA graph capture keeps them in its pool); the fake implementations give the same
+shapes, dtypes and strides.
 """
 from __future__ import annotations
 
@@ -27,14 +28,9 @@ def _lse_shape(q: torch.Tensor, varlen: bool) -> tuple:
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
                   cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int,
                   max_seqlen_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    varlen = cu_seqlens_q is not None
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(_lse_shape(q, varlen), dtype=torch.float32, device=q.device)
     kw = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-              max_seqlen_k=max_seqlen_k) if varlen else {}
-    _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse,
-               stream=torch.cuda.current_stream(q.device), **kw)
-    return out, lse
+              max_seqlen_k=max_seqlen_k) if cu_seqlens_q is not None else {}
+    return _attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True, **kw)
 
 
 @attention_fwd.register_fake
@@ -47,15 +43,10 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   lse: torch.Tensor, causal: bool, softmax_scale: float, cu_seqlens_q: torch.Tensor | None,
                   cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
                   deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     kw = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
               max_seqlen_k=max_seqlen_k) if cu_seqlens_q is not None else {}
-    _attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                        deterministic=deterministic, dq=dq, dk=dk, dv=dv,
-                        stream=torch.cuda.current_stream(q.device), **kw)
-    return dq, dk, dv
+    return _attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                               deterministic=deterministic, **kw)
 
 
 @attention_bwd.register_fake
@@ -99,10 +90,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
 
 # ---- GEMMs and FP8 quantization -----------------------------------------------------------------------------------
 
-def _stream(t: torch.Tensor):
-    return torch.cuda.current_stream(t.device)
-
-
 def _gemm_shape(a: torch.Tensor, b: torch.Tensor, b_layout: str) -> tuple:
     return a.shape[0], b.shape[1] if b_layout == "kn" else b.shape[0]
 
@@ -110,9 +97,7 @@ def _gemm_shape(a: torch.Tensor, b: torch.Tensor, b_layout: str) -> tuple:
 @torch.library.custom_op(f"{_LIB}::gemm", mutates_args=(), device_types="cuda")
 def gemm_op(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None, b_layout: str,
             out_dtype: torch.dtype | None) -> torch.Tensor:
-    out = torch.empty(_gemm_shape(a, b, b_layout), dtype=out_dtype or a.dtype, device=a.device)
-    _gemm(a, b, out=out, c=c, b_layout=b_layout, stream=_stream(a))
-    return out
+    return _gemm(a, b, c=c, b_layout=b_layout, out_dtype=out_dtype)
 
 
 @gemm_op.register_fake
@@ -154,11 +139,7 @@ def _token_scale_strides(m: int) -> tuple:
 
 @torch.library.custom_op(f"{_LIB}::quantize_fp8_per_token", mutates_args=(), device_types="cuda")
 def quantize_fp8_per_token_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty_strided((m, (k + 127) // 128), _token_scale_strides(m), dtype=torch.float32, device=x.device)
-    _quantize_per_token(x, out=q, out_scales=s, stream=_stream(x))
-    return q, s
+    return _quantize_per_token(x)  # M-major scales: strides _token_scale_strides(m)
 
 
 @quantize_fp8_per_token_op.register_fake
@@ -170,11 +151,7 @@ def _(x):
 
 @torch.library.custom_op(f"{_LIB}::quantize_fp8_per_block", mutates_args=(), device_types="cuda")
 def quantize_fp8_per_block_op(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    n, k = w.shape
-    q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=w.device)
-    s = torch.empty(((n + 127) // 128, (k + 127) // 128), dtype=torch.float32, device=w.device)
-    _quantize_per_block(w, out=q, out_scales=s, stream=_stream(w))
-    return q, s
+    return _quantize_per_block(w)
 
 
 @quantize_fp8_per_block_op.register_fake
@@ -186,9 +163,7 @@ def _(w):
 
 @torch.library.custom_op(f"{_LIB}::gemm_fp8", mutates_args=(), device_types="cuda")
 def gemm_fp8_op(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
-    out = torch.empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16, device=a.device)
-    _gemm_fp8(a, sa, b, sb, out=out, stream=_stream(a))
-    return out
+    return _gemm_fp8(a, sa, b, sb)
 
 
 @gemm_fp8_op.register_fake

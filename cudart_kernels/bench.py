@@ -310,7 +310,8 @@ def bench_gemm(quick: bool = False, device: int = 0) -> list[Row]:
 
 def bench_host(quick: bool = False, device: int = 0) -> list[Row]:
     """Host cost of one call with a cached plan (Python call to launch return), 16x64x64 bf16 and fp8, for each way
-    of passing arrays and streams, beside torch.matmul(out=) and torch._scaled_mm in the same run."""
+    of passing arrays and streams, with and without `out=` (without: the result is a torch tensor from torch's
+    caching allocator), beside torch.matmul(out=) and torch._scaled_mm in the same run."""
     from .ops.gemm import gemm
     from .ops.gemm_fp8 import gemm_fp8
     from .ops.quantize import quantize_fp8_per_block, quantize_fp8_per_token
@@ -326,22 +327,26 @@ def bench_host(quick: bool = False, device: int = 0) -> list[Row]:
     stream = torch.cuda.current_stream()
     handle = stream.cuda_stream
     dx, dy, dz = as_array(x), as_array(y), as_array(z)
-    qa, sa = quantize_fp8_per_token(torch.randn(m, 128, device="cuda", dtype=torch.bfloat16))
-    qb, sb = quantize_fp8_per_block(torch.randn(n, 128, device="cuda", dtype=torch.bfloat16))
-    ta, tsa, tb, tsb = (torch.from_dlpack(v) for v in (qa, sa, qb, sb))
+    ta, tsa = quantize_fp8_per_token(torch.randn(m, 128, device="cuda", dtype=torch.bfloat16))  # torch tensors
+    tb, tsb = quantize_fp8_per_block(torch.randn(n, 128, device="cuda", dtype=torch.bfloat16))
+    qa, sa, qb, sb = (as_array(v) for v in (ta, tsa, tb, tsb))
     tz = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     dz8 = as_array(tz)
     sa_t, sb_t = tsa.t().contiguous().t(), tsb.t()  # torch._scaled_mm's blockwise scale layouts
     cases = [
         ("torch.matmul(out=), torch", lambda: torch.matmul(x, y.t(), out=z)),
+        ("torch.matmul (allocating), torch", lambda: torch.matmul(x, y.t())),
         ("gemm, torch, stream=None", lambda: gemm(x, y, out=z)),
         ("gemm, torch, torch stream object", lambda: gemm(x, y, out=z, stream=stream)),
         ("gemm, torch, int stream handle", lambda: gemm(x, y, out=z, stream=handle)),
         ("gemm, DeviceArray, int stream handle", lambda: gemm(dx, dy, out=dz, stream=handle)),
+        ("gemm, torch, stream=None, no out= (torch result)", lambda: gemm(x, y)),
         ("gemm_fp8, torch, stream=None", lambda: gemm_fp8(ta, tsa, tb, tsb, tz)),
         ("gemm_fp8, torch, torch stream object", lambda: gemm_fp8(ta, tsa, tb, tsb, tz, stream=stream)),
         ("gemm_fp8, torch, int stream handle", lambda: gemm_fp8(ta, tsa, tb, tsb, tz, stream=handle)),
         ("gemm_fp8, DeviceArray, int stream handle", lambda: gemm_fp8(qa, sa, qb, sb, dz8, stream=handle)),
+        ("gemm_fp8, torch, stream=None, no out= (torch result)", lambda: gemm_fp8(ta, tsa, tb, tsb)),
+        ("quantize_fp8_per_token, torch, stream=None, no out= (torch results)", lambda: quantize_fp8_per_token(x)),
     ]
     try:
         torch._scaled_mm(ta, tb.t(), scale_a=sa_t, scale_b=sb_t, out_dtype=torch.bfloat16)

@@ -248,10 +248,11 @@ def test_failed_capture_leaves_the_library_usable():
     torch = _torch()
     m, n, k = 200, 4096, 4096
     a, b = _bf16(torch, m, k), _bf16(torch, n, k)
+    da, db = ck.as_array(a), ck.as_array(b)  # DeviceArrays: their results are ours (torch's would be capture-safe)
     g = torch.cuda.CUDAGraph()
     with pytest.raises(Exception) as info:
         with torch.cuda.graph(g):
-            ck.gemm(a, b, stream=torch.cuda.current_stream())  # no out=: allocating inside a capture
+            ck.gemm(da, db, stream=torch.cuda.current_stream())  # no out=: allocating inside a capture
     text = f"{info.value} {info.value.__context__}"
     assert "capturing" in text, text
     d = torch.empty(m, n, device="cuda", dtype=torch.float32)

@@ -1,5 +1,6 @@
 """Interop on the GPU: DeviceArray basics, DLPack round trips with torch, cupy and jax in both directions,
-stream ordering on non-default streams (graph capture: test_graphs_gpu.py)."""
+stream ordering on non-default streams (graph capture: test_graphs_gpu.py; each op's framework-native results:
+test_native_results_gpu.py)."""
 import numpy as np
 import pytest
 
@@ -47,11 +48,11 @@ def test_torch_both_directions(dtype):
     assert b.ptr == sliced.data_ptr() and b.strides == (48, 1)
 
 
-def test_torch_results_through_dlpack(rng):
+def test_torch_results_are_torch_tensors(rng):
     torch = _torch()
     x = torch.randn(100, 640, device="cuda", dtype=torch.bfloat16)
-    q, s = ck.quantize_fp8_per_token(x)
-    tq, ts = torch.from_dlpack(q), torch.from_dlpack(s)
+    tq, ts = ck.quantize_fp8_per_token(x)  # torch in, torch out (allocated by torch, on its current stream)
+    assert isinstance(tq, torch.Tensor) and isinstance(ts, torch.Tensor)
     assert tq.dtype == torch.float8_e4m3fn and tuple(ts.stride()) == (1, 100)
     rq, rs = ref.quantize_per_token(x.float().cpu().numpy().astype(ck.bfloat16.numpy))
     assert np.array_equal(tq.view(torch.uint8).cpu().numpy(), rq.view(np.uint8))
@@ -101,11 +102,11 @@ def test_input_produced_on_another_stream_is_ordered():
     with torch.cuda.stream(a):
         torch.cuda._sleep(200_000_000)
         x.copy_(base)
-        q, s = ck.quantize_fp8_per_token(x, scale_layout="rowmajor", stream=b)
+        q, s = ck.quantize_fp8_per_token(x, scale_layout="rowmajor", stream=b)  # torch tensors made on b
     torch.cuda.synchronize()
     eq, es = ref.quantize_per_token(base.float().cpu().numpy().astype(ck.bfloat16.numpy))
-    assert np.array_equal(q.numpy().view(np.uint8), eq.view(np.uint8))
-    assert np.array_equal(s.numpy(), es)
+    assert np.array_equal(q.view(torch.uint8).cpu().numpy(), eq.view(np.uint8))
+    assert np.array_equal(s.cpu().numpy(), es)
 
 
 # ---- cupy ------------------------------------------------------------------------------------------------------
@@ -114,11 +115,13 @@ def test_cupy_both_directions(rng):
     cp = pytest.importorskip("cupy")
     host = ref.random_activations(rng, 70, 512, np.float32)
     x = cp.asarray(host)
-    q, s = ck.quantize_fp8_per_token(x)  # cupy -> us (DLPack)
-    s_cp = cp.from_dlpack(s)  # us -> cupy (DLPack)
+    q, s = ck.quantize_fp8_per_token(x)  # cupy -> us (DLPack); scales back as cupy, e4m3 as a DeviceArray
+    assert isinstance(s, cp.ndarray)     # (cupy has no float8)
     eq, es = ref.quantize_per_token(host)
-    assert np.array_equal(cp.asnumpy(s_cp), es)
-    assert np.array_equal(q.numpy().view(np.uint8), eq.view(np.uint8))
+    assert np.array_equal(cp.asnumpy(s), es)
+    assert np.array_equal(cp.asnumpy(cp.from_dlpack(as_array(s))), es)  # us -> cupy (DLPack)
+    qh = q.numpy() if isinstance(q, DeviceArray) else cp.asnumpy(q)
+    assert np.array_equal(qh.view(np.uint8), eq.view(np.uint8))
     via_cai = cp.asarray(DeviceArray.from_numpy(host))  # us -> cupy (CUDA Array Interface)
     assert np.array_equal(cp.asnumpy(via_cai), host)
 
@@ -130,7 +133,7 @@ def test_cupy_both_directions(rng):
     stream = cp.cuda.Stream(non_blocking=True)
     q3, s3 = ck.quantize_fp8_per_token(x, stream=stream)
     stream.synchronize()
-    assert np.array_equal(s3.numpy(), es)
+    assert np.array_equal(cp.asnumpy(s3), es)
 
 
 # ---- jax -------------------------------------------------------------------------------------------------------
@@ -142,10 +145,12 @@ def test_jax_both_directions(rng):
         pytest.skip("jax without GPU")
     host = ref.random_activations(rng, 40, 384, ck.bfloat16.numpy)
     x = jnp.asarray(host)
-    q, s = ck.quantize_fp8_per_token(x, scale_layout="rowmajor")  # jax -> us
-    s_j = jax.dlpack.from_dlpack(s)  # us -> jax
+    q, s = ck.quantize_fp8_per_token(x, scale_layout="rowmajor")  # jax -> us -> jax (row-major results)
+    assert isinstance(s, jax.Array)
+    s_j = jax.dlpack.from_dlpack(as_array(s))  # us -> jax
     eq, es = ref.quantize_per_token(host)
-    assert np.array_equal(np.asarray(s_j), es)
-    assert np.array_equal(q.numpy().view(np.uint8), eq.view(np.uint8))
+    assert np.array_equal(np.asarray(s_j), es) and np.array_equal(np.asarray(s), es)
+    qh = q.numpy() if isinstance(q, DeviceArray) else np.asarray(q)  # (a jax without float8 DLPack: DeviceArray)
+    assert np.array_equal(qh.view(np.uint8), eq.view(np.uint8))
     xb = jax.dlpack.from_dlpack(DeviceArray.from_numpy(host))
     assert np.array_equal(np.asarray(xb).view(np.uint16), host.view(np.uint16))

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..runtime import dtypes as dt
-from ..runtime.driver import device_properties, stream_handle
-from ..runtime.interop import DeviceArray, as_arrays, require
+from ..runtime.driver import device_properties
+from ..runtime.interop import DeviceArray, call_arrays, require
 from ..runtime.launch import ArgsMemo, get_launcher
 from ..runtime.plans import PLANS
 from ..runtime.scratch import SCRATCH
@@ -298,10 +298,11 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     j <= i + S_k - S_q); a query that sees no key gets out = 0 and lse = -inf. `softmax_scale` defaults to
     1 / sqrt(D). With `return_lse` (or an `lse` given), the natural-log row log-sum-exp is written in fp32,
     [B, H_q, S_q] (varlen [H_q, total_q]), and (out, lse) is returned; otherwise out. `out` / `lse` are allocated
-    when None (inside a CUDA graph capture, pass both). Runs on `stream`.
+    when None, in the inputs' framework (README: results and streams; inside a CUDA graph capture, pass both
+    unless the inputs are torch tensors). Runs on `stream` (None: torch's or cupy's current stream for their
+    arrays, else the legacy default stream).
     """
-    h = stream_handle(stream)
-    qv, kv, vv, ov, lv, cq, ck = as_arrays((q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), h)
+    qv, kv, vv, ov, lv, cq, ck, h, native = call_arrays((q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k), stream)
     dims = check_inputs(qv, kv, vv, cq, ck, max_seqlen_q, max_seqlen_k)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dims.head_dim)
@@ -310,14 +311,12 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
     check_outputs(ov, lv, qv, dims)
     if ov is None:
-        ov = DeviceArray.empty(qv.shape, qv.dtype, qv.device, stream)
+        ov = native.empty(qv.shape, qv.dtype, qv.device, h, stream)
     if lv is None and return_lse:
         shape = (dims.heads_q, qv.shape[0]) if dims.varlen else (dims.batch, dims.heads_q, dims.seqlen_q)
-        lv = DeviceArray.empty(shape, dt.float32, qv.device, stream)
-    result = (ov if out is None else out, lv if lse is None else lse) if (return_lse or lse is not None) else (
-        ov if out is None else out)
+        lv = native.empty(shape, dt.float32, qv.device, h, stream)
     if qv.size == 0 or dims.batch == 0 or dims.seqlen_q == 0:
-        return result
+        return _result(native, ov, lv, out, lse, return_lse)
     key = ("attention", _key(qv), _key(kv), _key(vv), _key(ov), _key(lv), _key(cq), dims, causal, softmax_scale,
            tuning)
     plan = PLANS.get(key)
@@ -330,4 +329,12 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     if args is None:
         args = plan.memo.add(ptrs, _args(plan, *ptrs))
     plan.launch.run(plan.grid, h, args)
-    return result
+    return _result(native, ov, lv, out, lse, return_lse)
+
+
+def _result(native, ov, lv, out, lse, return_lse: bool):
+    """out, or (out, lse): the arrays given, else the ones allocated, in the inputs' framework (after the launch)."""
+    o = native.result(ov) if out is None else out
+    if return_lse or lse is not None:
+        return o, (native.result(lv) if lse is None else lse)
+    return o

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from ..runtime import dtypes as dt
 from cuda.bindings import driver as cu
 
-from ..runtime.driver import check, device_properties, stream_handle
-from ..runtime.interop import DeviceArray, as_arrays, require
+from ..runtime.driver import check, device_properties
+from ..runtime.interop import DeviceArray, call_arrays, require
 from ..runtime.launch import ArgsMemo, get_launcher
 from ..runtime.plans import PLANS
 from ..runtime.scratch import SCRATCH
@@ -245,13 +245,13 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     call's (see `attention`; head dims 64, 128 and 256); out is its output and lse its fp32 log-sum-exp
     ([B, H_q, S_q], varlen [H_q, total_q]: `attention(..., return_lse=True)`); dout has out's shape and dtype.
     dq has q's shape and dtype, dk and dv k's and v's (GQA: summed over the query heads of each kv head); they are
-    allocated when None (inside a CUDA graph capture, pass them). Accumulation is fp32. With `deterministic` the
-    results are bitwise identical from run to run (the dQ partials of the key blocks are added in a fixed order,
-    at some cost in speed); otherwise dq may differ in the last bits between runs. Runs on `stream`.
+    allocated when None, in the inputs' framework (inside a CUDA graph capture, pass them unless the inputs are
+    torch tensors). Accumulation is fp32. With `deterministic` the results are bitwise identical from run to run
+    (the dQ partials of the key blocks are added in a fixed order, at some cost in speed); otherwise dq may differ
+    in the last bits between runs. Runs on `stream` (None as for `attention`).
     """
-    h = stream_handle(stream)
-    arrays = as_arrays((dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv), h)
-    dov, qv, kv, vv, ov, lv, cq, ck, dqv, dkv, dvv = arrays
+    arrays = call_arrays((dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv), stream)
+    dov, qv, kv, vv, ov, lv, cq, ck, dqv, dkv, dvv, h, native = arrays
     dims = check_backward(dov, qv, kv, vv, ov, lv, cq, ck, max_seqlen_q, max_seqlen_k, dqv, dkv, dvv)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(dims.head_dim)
@@ -259,14 +259,13 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     if not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale}")
     if dqv is None:
-        dqv = DeviceArray.empty(qv.shape, qv.dtype, qv.device, stream)
+        dqv = native.empty(qv.shape, qv.dtype, qv.device, h, stream)
     if dkv is None:
-        dkv = DeviceArray.empty(kv.shape, kv.dtype, kv.device, stream)
+        dkv = native.empty(kv.shape, kv.dtype, kv.device, h, stream)
     if dvv is None:
-        dvv = DeviceArray.empty(vv.shape, vv.dtype, vv.device, stream)
-    result = (dqv if dq is None else dq, dkv if dk is None else dk, dvv if dv is None else dv)
+        dvv = native.empty(vv.shape, vv.dtype, vv.device, h, stream)
     if dims.batch == 0 or (qv.size == 0 and kv.size == 0):
-        return result
+        return _result(native, (dqv, dkv, dvv), (dq, dk, dv))
     key = ("attention_bwd", _key(dov), _key(qv), _key(kv), _key(vv), _key(ov), _key(lv), _key(cq), _key(dqv),
            _key(dkv), _key(dvv), dims, causal, softmax_scale, bool(deterministic), tuning)
     plan = PLANS.get(key)
@@ -293,7 +292,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
             plan.post.run(plan.kv_grid, h, a)
     if plan.run_rows:
         plan.post.run(plan.row_grid, h, post_args)
-    return result
+    return _result(native, (dqv, dkv, dvv), (dq, dk, dv))
+
+
+def _result(native, views, given) -> tuple:
+    """(dq, dk, dv): the arrays given, else the ones allocated, in the inputs' framework (after the launch)."""
+    return tuple(native.result(v) if g is None else g for v, g in zip(views, given))
 
 
 def _args(plan: _Plan, dims: Dims, arrays, ptrs) -> tuple:

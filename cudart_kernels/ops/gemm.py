@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..runtime import dtypes as dt
-from ..runtime.driver import DeviceProperties, device_properties, stream_handle
-from ..runtime.interop import DeviceArray, as_arrays, require
+from ..runtime.driver import DeviceProperties, device_properties
+from ..runtime.interop import DeviceArray, call_arrays, require
 from ..runtime.launch import ArgsMemo, get_launcher
 from ..runtime.plans import PLANS
 from ..runtime.scratch import SCRATCH
@@ -496,16 +496,18 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
     fp16 or fp32) is added; with `c is out` and an fp32 `out`, D += A @ B^T accumulates in place through TMA
     reduce-add. `split_k` forces the split count (None: the heuristic decides; 1: off); `deterministic=True`
     makes split-K bitwise reproducible (K order). Rows must be 16-byte aligned (K and N multiples of 8 for
-    16-bit data); every M, N, K tail is handled in the kernel. Runs on `stream`; returns `out` (allocated when
-    None). `tuning`: the heuristic's constants (default `TUNING`). Inside a CUDA graph capture, pass `out`.
+    16-bit data); every M, N, K tail is handled in the kernel. Runs on `stream` (None: torch's or cupy's current
+    stream for their arrays, else the legacy default stream); returns `out`, or when None a new array of the
+    inputs' framework (README: results and streams). `tuning`: the heuristic's constants (default `TUNING`).
+    Inside a CUDA graph capture, pass `out` unless the inputs are torch tensors (torch allocates from the graph's
+    pool).
     """
     if b_layout not in ("nk", "kn"):
         raise ValueError(f"b_layout must be 'nk' (B is [N, K]) or 'kn' (B is [K, N]), got {b_layout!r}")
     b_kn = b_layout == "kn"
     if split_k is not None and (int(split_k) != split_k or split_k < 1):
         raise ValueError(f"split_k must be a positive integer or None, got {split_k!r}")
-    h = stream_handle(stream)
-    av, bv, dv, cv = as_arrays((a, b, out, None if c is out else c), h)
+    av, bv, dv, cv, h, native = call_arrays((a, b, out, None if c is out else c), stream)
     if c is not None and c is out:
         cv = dv
     if out is None:
@@ -513,7 +515,7 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
         od = dt.as_dtype(out_dtype) if out_dtype is not None else av.dtype
         if od not in _OUTPUTS:
             raise TypeError(f"out_dtype {od.name} not supported (bfloat16, float16, float32)")
-        dv = DeviceArray.empty((m, n), od, av.device, stream)
+        dv = native.empty((m, n), od, av.device, h, stream)
     accumulate = cv is not None and dv.dtype is dt.float32 and _same_memory(cv, dv)
     key = ("gemm", sm90.array_key(av), sm90.array_key(bv), sm90.array_key(dv),
            None if cv is None else (sm90.array_key(cv), accumulate), split_k, deterministic, b_kn, tuning)
@@ -522,7 +524,7 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
         if dv.ndim == 2 and 0 in dv.shape:
             _check_inputs(av, bv, None if accumulate else cv, b_kn)
             _check_out(dv, av.shape[0], bv.shape[1] if b_kn else bv.shape[0], av.device)
-            return dv if out is None else out
+            return native.result(dv) if out is None else out
         plan = PLANS.add(key, _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning or TUNING))
     c_ptr, ld_c = (cv.ptr, cv.strides[0]) if plan.uses_c else (0, 0)
     if type(plan) is _DecodePlan:
@@ -538,4 +540,4 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
         ptrs = SCRATCH.acquire(av.device, h, plan.scratch)
         w_ptr = ptrs[0] if plan.epi == "EPI_SPLIT" else 0
         plan.launch.run(plan.grid, h, _args(plan, av.ptr, bv.ptr, dv.ptr, c_ptr, ld_c, w_ptr, ptrs[-1]))
-    return dv if out is None else out
+    return native.result(dv) if out is None else out

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..runtime import dtypes as dt
-from ..runtime.driver import DeviceProperties, device_properties, stream_handle
-from ..runtime.interop import DeviceArray, as_arrays, require
+from ..runtime.driver import DeviceProperties, device_properties
+from ..runtime.interop import DeviceArray, call_arrays, require
 from ..runtime.launch import ArgsMemo, get_launcher
 from ..runtime.plans import PLANS
 from ..runtime.scratch import SCRATCH
@@ -525,10 +525,11 @@ def _args(plan, a_ptr, sa_mmajor, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor=0) -
             *plan.sb_strides, info_ptr, d_ptr, plan.ld_d, *plan.args, plan.cfg.group_m)
 
 
-def _output(dv, shape, dtype, device, stream) -> DeviceArray:
-    """Check the given output view, or allocate one (after every input was validated)."""
+def _output(dv, shape, dtype, device, native, h, stream) -> DeviceArray:
+    """Check the given output view, or allocate one through the call's framework (after every input was
+    validated)."""
     if dv is None:
-        return DeviceArray.empty(shape, dtype, device, stream)
+        return native.empty(shape, dtype, device, h, stream)
     require(dv, "out", dtypes=(dtype,), ndim=len(shape), shape=shape)
     if dv.device != device:
         raise ValueError(f"out is on cuda:{dv.device} but a is on cuda:{device}")
@@ -547,10 +548,10 @@ def gemm_fp8(a, sa, b, sb, out=None, *, stream=None, tuning: Fp8Tuning | None = 
     sa is read in place when it is M-major with 16-byte aligned columns (`quantize_fp8_per_token`'s default
     layout: strides (1, ld) with ld >= M a multiple of 4). Any other layout (row-major, say) is first copied into
     that layout by a small kernel on the same stream: one extra launch and M x ceil(K/128) x 8 bytes of traffic.
-    sb may have any strides. Runs on `stream`; returns `out`.
+    sb may have any strides. Runs on `stream` (None: torch's or cupy's current stream for their arrays, else the
+    legacy default stream); returns `out`, or a new array of the inputs' framework.
     """
-    h = stream_handle(stream)
-    av, sav, bv, sbv, dv = as_arrays((a, sa, b, sb, out), h)
+    av, sav, bv, sbv, dv, h, native = call_arrays((a, sa, b, sb, out), stream)
     key = _key(NORMAL, tuning, av, sav, bv, sbv, dv)
     plan = PLANS.get(key) if dv is not None else None
     if plan is None:  # validate once per plan
@@ -558,10 +559,10 @@ def gemm_fp8(a, sa, b, sb, out=None, *, stream=None, tuning: Fp8Tuning | None = 
         n, k = _check_operands(av, sav, bv, sbv, None)
         m = av.shape[0]
         _same_device(av, sa=sav, b=bv, sb=sbv)
-        dv = _output(dv, (m, n), dt.bfloat16, av.device, stream)
+        dv = _output(dv, (m, n), dt.bfloat16, av.device, native, h, stream)
         plan = _plan(key, NORMAL, av, sav, bv, sbv, dv, (0, sbv.strides[0], sbv.strides[1]), m, n, k, 1, 256, tuning)
     _launch(plan, h, av.ptr, sav.ptr, bv.ptr, sbv.ptr, dv.ptr, 0)
-    return dv if out is None else out
+    return native.result(dv) if out is None else out
 
 
 def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment: int = 128, stream=None,
@@ -580,8 +581,7 @@ def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment:
     """
     if alignment not in (64, 128, 256):
         raise ValueError(f"alignment must be 64, 128 or 256 rows, got {alignment}")
-    h = stream_handle(stream)
-    av, sav, bv, sbv, iv, dv = as_arrays((a, sa, b, sb, m_indices, out), h)
+    av, sav, bv, sbv, iv, dv, h, native = call_arrays((a, sa, b, sb, m_indices, out), stream)
     key = _key(CONTIGUOUS, tuning, av, sav, bv, sbv, iv, dv) + (alignment,)
     plan = PLANS.get(key) if dv is not None else None
     if plan is None:  # validate once per plan
@@ -592,11 +592,11 @@ def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment:
         m = av.shape[0]
         _check_group_ids(iv, "m_indices", m)
         _same_device(av, sa=sav, b=bv, sb=sbv, m_indices=iv)
-        dv = _output(dv, (m, n), dt.bfloat16, av.device, stream)
+        dv = _output(dv, (m, n), dt.bfloat16, av.device, native, h, stream)
         plan = _plan(key, CONTIGUOUS, av, sav, _flatten(bv, "b"), sbv, dv, sbv.strides, m, n, k, groups, alignment,
                      tuning)
     _launch(plan, h, av.ptr, sav.ptr, bv.ptr, sbv.ptr, dv.ptr, iv.ptr)
-    return dv if out is None else out
+    return native.result(dv) if out is None else out
 
 
 def gemm_fp8_grouped_masked(a, sa, b, sb, masked_m, out=None, *, stream=None, tuning: Fp8Tuning | None = None):
@@ -608,8 +608,7 @@ def gemm_fp8_grouped_masked(a, sa, b, sb, masked_m, out=None, *, stream=None, tu
     M), out: [G, M, N] bf16. Rows from masked_m[g] on are neither computed (whole tiles skipped) nor written. The
     groups of a, sa (as [G * M, ...]) and out must follow each other in memory.
     """
-    h = stream_handle(stream)
-    av, sav, bv, sbv, iv, dv = as_arrays((a, sa, b, sb, masked_m, out), h)
+    av, sav, bv, sbv, iv, dv, h, native = call_arrays((a, sa, b, sb, masked_m, out), stream)
     key = _key(MASKED, tuning, av, sav, bv, sbv, iv, dv)
     plan = PLANS.get(key) if dv is not None else None
     if plan is None:  # validate once per plan
@@ -619,11 +618,11 @@ def gemm_fp8_grouped_masked(a, sa, b, sb, masked_m, out=None, *, stream=None, tu
         n, k = _check_operands(av, sav, bv, sbv, groups)
         _check_group_ids(iv, "masked_m", groups)
         _same_device(av, sa=sav, b=bv, sb=sbv, masked_m=iv)
-        dv = _output(dv, (groups, m, n), dt.bfloat16, av.device, stream)
+        dv = _output(dv, (groups, m, n), dt.bfloat16, av.device, native, h, stream)
         plan = _plan(key, MASKED, _flatten(av, "a"), _flatten(sav, "sa"), _flatten(bv, "b"), sbv, _flatten(dv, "out"),
                      sbv.strides, m, n, k, groups, 256, tuning)
     _launch(plan, h, av.ptr, sav.ptr, bv.ptr, sbv.ptr, dv.ptr, iv.ptr)
-    return dv if out is None else out
+    return native.result(dv) if out is None else out
 
 
 def gemm_fp8_wgrad(a, sa, b, sb, d, ks, *, stream=None, tuning: Fp8Tuning | None = None):
@@ -640,8 +639,7 @@ def gemm_fp8_wgrad(a, sa, b, sb, d, ks, *, stream=None, tuning: Fp8Tuning | None
     ks = tuple(int(x) for x in ks)
     if any(x < 0 or x % 128 for x in ks):
         raise ValueError(f"ks: each group's K must be a non-negative multiple of 128, got {ks}")
-    h = stream_handle(stream)
-    av, sav, bv, sbv, dv = as_arrays((a, sa, b, sb, d), h)
+    av, sav, bv, sbv, dv, h, _ = call_arrays((a, sa, b, sb, d), stream)
     key = _key(KGROUPED, tuning, av, sav, bv, sbv, dv)
     plan = PLANS.get(key)
     if plan is not None and sum(ks) == av.shape[1] and len(ks) == dv.shape[0]:  # validated with this plan

@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..runtime import dtypes as dt
-from ..runtime.driver import stream_handle
-from ..runtime.interop import DeviceArray, as_array, require
+from ..runtime.interop import call_arrays, require
 from ..runtime.launch import get_launcher
 from ..runtime.plans import PLANS
 
@@ -113,22 +112,15 @@ def _plan(kind, name, xv, qv, sv, tuning: QuantTuning):
 
 
 def _run(kind, name, x, out, out_scales, stream, layout="rowmajor", tuning=None):
-    h = stream_handle(stream)
-    xv = as_array(x, h)
-    if out is None or out_scales is None:  # allocate: validate the input first
+    xv, qv, sv, h, native = call_arrays((x, out, out_scales), stream)
+    if qv is None or sv is None:  # allocate through the input's framework: validate the input first
         _check_input(xv, name)
         m, k = xv.shape
-        qv = as_array(out, h) if out is not None else DeviceArray.empty((m, k), dt.float8_e4m3, xv.device, stream)
-        if out_scales is not None:
-            sv = as_array(out_scales, h)
-        else:
-            shape_s = _scale_shape(kind, m, k)
-            if layout == "mmajor":
-                sv = DeviceArray.empty_strided(shape_s, (1, mmajor_stride(m)), dt.float32, xv.device, stream)
-            else:
-                sv = DeviceArray.empty(shape_s, dt.float32, xv.device, stream)
-    else:
-        qv, sv = as_array(out, h), as_array(out_scales, h)
+        if qv is None:
+            qv = native.empty((m, k), dt.float8_e4m3, xv.device, h, stream)
+        if sv is None:
+            strides = (1, mmajor_stride(m)) if layout == "mmajor" else None
+            sv = native.empty(_scale_shape(kind, m, k), dt.float32, xv.device, h, stream, strides)
     key = ("quantize", kind, xv.shape, xv.strides, xv.dtype, xv.ptr & 15, xv.device, qv.shape, qv.strides,
            qv.dtype, qv.ptr & 15, qv.device, sv.shape, sv.strides, sv.dtype, sv.ptr & 15, sv.device, tuning)
     plan = PLANS.get(key)
@@ -137,7 +129,7 @@ def _run(kind, name, x, out, out_scales, stream, layout="rowmajor", tuning=None)
     launch, grid, args = plan
     if launch is not None:
         launch(grid, h, xv.ptr, args[0], qv.ptr, args[1], sv.ptr, *args[2:])
-    return (qv if out is None else out), (sv if out_scales is None else out_scales)
+    return (native.result(qv) if out is None else out), (native.result(sv) if out_scales is None else out_scales)
 
 
 def quantize_fp8_per_token(x, *, scale_layout: str = "mmajor", out=None, out_scales=None, stream=None,
@@ -148,7 +140,9 @@ def quantize_fp8_per_token(x, *, scale_layout: str = "mmajor", out=None, out_sca
     column by column with a column stride of M rounded up to 4 (the layout the FP8 GEMM's TMA loads); "rowmajor"
     gives a plain [M, G] array. `out` / `out_scales` may be given (any supported array type; `out_scales` may
     have any positive strides) and are then returned as passed. K must be a multiple of 16 bytes of input.
-    Runs on `stream` (None: the legacy default stream; an int handle or any stream object).
+    Outputs not given are allocated in the input's framework (torch in, torch out; README: results and streams).
+    Runs on `stream` (None: torch's or cupy's current stream for their arrays, else the legacy default stream; an
+    int handle or any stream object).
     """
     if scale_layout not in ("mmajor", "rowmajor"):
         raise ValueError(f"scale_layout must be 'mmajor' or 'rowmajor', got {scale_layout!r}")

@@ -380,7 +380,7 @@ def _from_cai(obj, consumer: int) -> DeviceArray:
     return DeviceArray(ptr, shape, dtype, strides, device, consumer, obj)
 
 
-_torch = None  # (Tensor type, {torch dtype: DType}, current raw stream fn) once the user has imported torch
+_torch = None  # (Tensor type, {torch dtype: DType}, current raw stream fn, {DType: torch dtype}, {index: device})
 
 
 def _torch_support():
@@ -391,7 +391,9 @@ def _torch_support():
                                                ("bfloat16", dt.bfloat16), ("float8_e4m3fn", dt.float8_e4m3),
                                                ("float8_e5m2", dt.float8_e5m2), ("int32", dt.int32),
                                                ("int64", dt.int64)) if hasattr(torch, n)}
-    _torch = (torch.Tensor, table, torch._C._cuda_getCurrentRawStream)
+    # (a CPU-only torch has no CUDA streams, and no CUDA tensors to ask about)
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (lambda device: 0)
+    _torch = (torch.Tensor, table, raw_stream, {d: t for t, d in table.items()}, {})
     return _torch
 
 
@@ -409,9 +411,14 @@ def as_arrays(objs, stream: int) -> list:
     """`as_array` over the arrays of one call (None stays None), on the stream handle `stream`. Torch tensors get
     the ordering torch's __dlpack__(stream) gives, once: `stream` waits for torch's current stream on the first
     tensor's device (the ops require one device for all their arrays)."""
+    return _views(objs, stream, False)
+
+
+def _views(objs, stream: int, on_torch_stream: bool) -> list:
+    """as_arrays; `on_torch_stream`: `stream` is torch's current stream (nothing to order)."""
     if "torch" not in sys.modules:
         return [x if x is None or type(x) is DeviceArray else as_array(x, stream) for x in objs]
-    tensor, table, raw_stream = _torch or _torch_support()
+    tensor, table, raw_stream = (_torch or _torch_support())[:3]
     views, device = [], None
     for x in objs:
         if x is None or type(x) is DeviceArray:
@@ -423,10 +430,223 @@ def as_arrays(objs, stream: int) -> list:
         else:
             x = as_array(x, stream)
         views.append(x)
-    if device is not None:
+    if device is not None and not on_torch_stream:
         producer = raw_stream(device)
         if producer != stream:
             _order(producer, stream)
+    return views
+
+
+# ---- framework-native results ------------------------------------------------------------------------------------
+# An op call's outputs are allocated through the framework of its first torch / cupy / jax array and returned as
+# that framework's type, and `stream=None` means that framework's current stream (torch, cupy) or the legacy
+# default stream (jax, and calls with no framework array). README.md's "Arrays, streams, memory" has the table.
+
+def _device_empty(shape: tuple, strides, dtype, device: int, h: int, owner) -> DeviceArray:
+    """Our own stream-ordered memory for `shape` (contiguous, or the non-negative `strides`) on stream `h`."""
+    if strides is None:
+        strides = _contiguous_strides(shape)
+        n = int(np.prod(shape, dtype=np.int64))
+    else:
+        n = 1 + sum((d - 1) * s for d, s in zip(shape, strides)) if all(shape) else 0
+    alloc = _Allocation(n * dtype.itemsize, device, h, owner)
+    return _make(alloc.ptr, shape, strides, dtype, device, h, alloc)
+
+
+class Native:
+    """How one op call allocates and returns the outputs it was not given, and what its `stream=None` means.
+
+    This base serves calls with no framework array (DeviceArray, pointer tuples, other DLPack or CUDA Array
+    Interface producers): our stream-ordered memory, a DeviceArray back, the legacy default stream."""
+
+    __slots__ = ()
+    name = "cudart_kernels"
+
+    def current_stream(self, x) -> int:
+        """The stream handle `stream=None` means, given the call's first array of this framework."""
+        return 0
+
+    def empty(self, shape: tuple, dtype, device: int, h: int, stream, strides=None) -> DeviceArray:
+        """A new output on stream handle `h`, as a view whose owner is the framework's array. `stream` is the call's
+        own argument (None: `h` is this framework's current stream); `strides` in elements (default contiguous)."""
+        return _device_empty(shape, strides, dtype, device, h, _owner_of(stream))
+
+    def result(self, view: DeviceArray):
+        """What the op returns for an output `empty` made (called after the launch)."""
+        return view
+
+    def __repr__(self) -> str:
+        return f"<results as {self.name}>"
+
+
+def _native_array(view: DeviceArray):
+    """The framework array behind an output `empty` made, or the view where it fell back to our own memory."""
+    owner = view._owner
+    return view if owner is None or type(owner) is _Allocation else owner
+
+
+class _TorchResults(Native):
+    """torch in, torch out: torch.empty on the op's device and stream (caching allocator, graph-capture pools)."""
+
+    __slots__ = ()
+    name = "torch"
+
+    def current_stream(self, t) -> int:
+        device = t.get_device()
+        if device < 0:
+            raise HostArrayError(f"expected a CUDA tensor, got one on {t.device}; move it to the GPU first")
+        return (_torch or _torch_support())[2](device)
+
+    def empty(self, shape, dtype, device, h, stream, strides=None):
+        _, _, raw_stream, to_torch, devices = _torch or _torch_support()
+        tdtype = to_torch.get(dtype)
+        torch = sys.modules["torch"]
+        if tdtype is None:  # (float8 in a torch older than 2.1) our memory, freed on a stream kept alive meanwhile
+            current = torch.cuda.current_stream(device) if stream is None else stream
+            return Native.empty(self, shape, dtype, device, h, current, strides)
+        dev = devices.get(device)
+        if dev is None:
+            dev = devices[device] = torch.device("cuda", device)
+        if stream is not None and raw_stream(device) != h:  # allocate on the op's stream, as torch ops under it do
+            s = stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.ExternalStream(h, device=dev)
+            with torch.cuda.stream(s):
+                t = _torch_empty(torch, shape, strides, tdtype, dev)
+        else:
+            t = _torch_empty(torch, shape, strides, tdtype, dev)
+        return _make(t.data_ptr(), shape, t.stride(), dtype, device, h, t)
+
+    result = staticmethod(_native_array)
+
+
+def _torch_empty(torch, shape, strides, tdtype, dev):
+    if strides is None:
+        return torch.empty(shape, dtype=tdtype, device=dev)
+    return torch.empty_strided(shape, strides, dtype=tdtype, device=dev)
+
+
+_CUPY_DTYPES: dict = {}  # DType -> whether this cupy has it (no bfloat16 / float8 before cupy 14)
+
+
+def _cupy_current_stream(cp, device: int):
+    """cupy's current stream object on `device` (cupy keeps one per device and thread: no object made)."""
+    try:
+        return cp.cuda.get_current_stream(device)
+    except TypeError:  # an older cupy: the current device's
+        return cp.cuda.get_current_stream()
+
+
+def _cupy_has(cp, dtype) -> bool:
+    """Whether cupy makes arrays of `dtype` that export through DLPack (asked once per dtype, with one element)."""
+    ok = _CUPY_DTYPES.get(dtype)
+    if ok is None:
+        try:
+            as_array(cp.empty((1,), dtype=dtype.numpy))
+            ok = True
+        except Exception:  # (cupy raises TypeError, ValueError or BufferError, by version): our arrays instead
+            ok = False
+        _CUPY_DTYPES[dtype] = ok
+    return ok
+
+
+class _CupyResults(Native):
+    """cupy in, cupy out: cupy's memory pool on the op's device and stream; a DeviceArray for a dtype cupy lacks."""
+
+    __slots__ = ()
+    name = "cupy"
+
+    def current_stream(self, x) -> int:
+        return _cupy_current_stream(sys.modules["cupy"], x.data.device_id).ptr
+
+    def empty(self, shape, dtype, device, h, stream, strides=None):
+        cp = sys.modules["cupy"]
+        if not _cupy_has(cp, dtype):  # our memory, freed on the op's stream: keep cupy's stream object alive till then
+            current = _cupy_current_stream(cp, device) if stream is None else stream
+            return Native.empty(self, shape, dtype, device, h, current, strides)
+        if cp.cuda.runtime.getDevice() == device and (stream is None or _cupy_current_stream(cp, device).ptr == h):
+            a = _cupy_empty(cp, shape, strides, dtype)
+        else:
+            with cp.cuda.Device(device), cp.cuda.ExternalStream(h, device):
+                a = _cupy_empty(cp, shape, strides, dtype)
+        return _make(a.data.ptr, shape, _contiguous_strides(shape) if strides is None else strides, dtype, device, h,
+                     a)
+
+    result = staticmethod(_native_array)
+
+
+def _cupy_empty(cp, shape, strides, dtype):
+    if strides is None:
+        return cp.empty(shape, dtype=dtype.numpy)
+    span = 1 + sum((d - 1) * s for d, s in zip(shape, strides)) if all(shape) else 0
+    it = dtype.itemsize
+    return cp.ndarray(shape, dtype.numpy, cp.cuda.alloc(max(span, 1) * it), strides=tuple(s * it for s in strides))
+
+
+class _JaxResults(Native):
+    """jax in, jax out where jax's DLPack import takes the result: our memory, handed to jax without a copy after
+    the launch (its stream waits for ours). jax imports row-major buffers only, so other layouts (M-major scales),
+    and dtypes this jax cannot import, stay DeviceArrays."""
+
+    __slots__ = ()
+    name = "jax"
+
+    def result(self, view):
+        if not view.is_contiguous():
+            return view
+        try:
+            return _jax_from_dlpack()(view)
+        except (RuntimeError, TypeError, ValueError, BufferError, NotImplementedError):  # dtype jax cannot import
+            return view
+
+
+def _jax_from_dlpack():
+    import jax.dlpack
+
+    return jax.dlpack.from_dlpack
+
+
+DEVICE_RESULTS, TORCH_RESULTS, CUPY_RESULTS, JAX_RESULTS = Native(), _TorchResults(), _CupyResults(), _JaxResults()
+_NATIVE: dict = {type(None): DEVICE_RESULTS, DeviceArray: DEVICE_RESULTS, tuple: DEVICE_RESULTS}  # type -> Native
+
+
+def native_of(tp: type) -> Native:
+    """The results rule for arrays of type `tp` (decided once per type)."""
+    results = _NATIVE.get(tp)
+    if results is None:
+        results = DEVICE_RESULTS
+        for module, attr, candidate in (("torch", "Tensor", TORCH_RESULTS), ("cupy", "ndarray", CUPY_RESULTS),
+                                        ("jax", "Array", JAX_RESULTS)):
+            base = getattr(sys.modules.get(module), attr, None)
+            if isinstance(base, type) and issubclass(tp, base):
+                results = candidate
+                break
+        _NATIVE[tp] = results
+    return results
+
+
+def call_arrays(objs, stream) -> list:
+    """One op call's arrays as views (None stays None), followed by the stream handle the call runs on and the
+    `Native` that allocates and returns its outputs: `[*views, h, native]`.
+
+    The first torch / cupy / jax array among `objs` decides the framework. `stream=None` is that framework's
+    current stream for torch and cupy (on that array's device), the legacy default stream otherwise; any other
+    `stream` is taken as given (`stream_handle`)."""
+    native, first = DEVICE_RESULTS, None
+    for x in objs:
+        if x is None or type(x) is DeviceArray:
+            continue
+        results = _NATIVE.get(type(x)) or native_of(type(x))
+        if results is not DEVICE_RESULTS:
+            native, first = results, x
+            break
+    if stream is None:
+        h = 0 if first is None else native.current_stream(first)
+    elif type(stream) is int and stream >= 0:
+        h = stream
+    else:
+        h = stream_handle(stream)
+    views = _views(objs, h, stream is None and native is TORCH_RESULTS)
+    views.append(h)
+    views.append(native)
     return views
 
 
@@ -500,5 +720,5 @@ def same_device(*arrays) -> int:
     return devs.pop()
 
 
-__all__ = ["DeviceArray", "as_array", "parse_dlpack", "require", "same_device", "HostArrayError",
-           "gpu_available"]
+__all__ = ["DeviceArray", "Native", "as_array", "call_arrays", "native_of", "parse_dlpack", "require", "same_device",
+           "HostArrayError", "gpu_available"]
