@@ -209,7 +209,7 @@ def test_m_grouped_masked(seed, real, shape, sa_layout):
         s = ours.get_mn_major_tma_aligned_tensor(s)  # each group M-major on its own
     a, b = (q, s), _grouped_per_block(_randn(groups, n, k))
     masked_m = torch.tensor(masked, dtype=torch.int32, device="cuda")
-    d, d_real = _both(real, lambda lib, d: lib.m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m),
+    d, d_real = _both(real, lambda lib, d: lib.fp8_m_grouped_gemm_nt_masked(a, b, d, masked_m, expected_m),
                       lambda: _poison(groups, max_m, n))
     for g, r in enumerate(masked):
         if r:
