@@ -541,6 +541,18 @@ def _sdpa(torch, backend):
     return run
 
 
+def sdpa_backward_run(torch, sdpa, q, k, v, do, causal: bool, gqa: bool = False):
+    """A `graph_times_us` run of an SDPA backend's backward: autograd.grad of its output for dO (the forward runs
+    once here, on the graph stream: autograd runs a backward op on its forward's stream, the capture stream)."""
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    graph_stream(torch).wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(graph_stream(torch)):
+        og = sdpa(qg, kg, vg, causal, gqa)
+    torch.cuda.synchronize()
+    dog = do.transpose(1, 2)
+    return lambda i, st: torch.autograd.grad(og, (qg, kg, vg), dog, retain_graph=True)
+
+
 def _varlen_lengths(total: int, longest: int, seed: int = 0) -> list[int]:
     """Mixed sequence lengths in 1..longest summing to `total` (fixed seed: the same mix every run)."""
     rng = np.random.default_rng(seed)
@@ -641,14 +653,8 @@ def bench_attention_bwd(quick: bool = False, device: int = 0) -> list[Row]:
         out, lse = attention(q, k, v, causal=causal, return_lse=True)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
-        def peer_run(sdpa):  # (autograd runs a backward op on its forward's stream: the capture stream)
-            qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-            graph_stream(torch).wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(graph_stream(torch)):
-                og = sdpa(qg, kg, vg, causal, gqa)
-            torch.cuda.synchronize()
-            dog = do.transpose(1, 2)
-            return lambda i, st: torch.autograd.grad(og, (qg, kg, vg), dog, retain_graph=True)
+        def peer_run(sdpa):
+            return sdpa_backward_run(torch, sdpa, q, k, v, do, causal, gqa)
         ours_run = lambda i, st: attention_backward(do, q, k, v, out, lse, causal=causal, dq=dq, dk=dk,  # noqa
                                                     dv=dv, stream=st)
         peer, ours = graph_times_us(torch, [peer_run(cudnn), ours_run], 1, iters=10)
