@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU test suite, for a GPU machine without network: the tests, compute-sanitizer passes on one small case
 # per kernel, and a short benchmark summary. Logs go to $OUT (default /tmp/gpu_check). Exit status 0 = all passed.
+# Arguments name the steps to run (info pytest selftest sanitizer bench; default all), e.g. to split the suite
+# over two calls of a machine that limits a command's time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
@@ -17,8 +19,10 @@ fi
 
 status=0
 summary=()
-step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail
+STEPS="$*"
+step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail (unless not among the steps asked for)
   local name=$1; shift
+  if [ -n "$STEPS" ] && [[ " $STEPS " != *" ${name%%-*} "* ]]; then return; fi
   local t0=$SECONDS
   if "$@" >"$OUT/$name.log" 2>&1; then r=PASS; else r=FAIL; status=1; fi
   summary+=("$(printf '%-22s %s  (%ss)  %s' "$name" "$r" $((SECONDS - t0)) "$(tail -n 1 "$OUT/$name.log")")")
