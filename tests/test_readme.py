@@ -212,23 +212,26 @@ def test_fence_errors_are_caught():
 
 # ---- the python examples -----------------------------------------------------------------------------------------
 
+def _run_or_skip(block, tmp_path, timeout: int, why: str) -> dict:
+    """Run an example, skipping the test where its framework is missing (`why` is added to the reason)."""
+    skip_unless_installed(block)
+    result = run_example(block, tmp_path, timeout=timeout)
+    if result["status"] == "skip":
+        pytest.skip(f"{block.id}: {result['reason']}{why}")
+    return result
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", PYTHON, ids=lambda b: b.id)
 def test_example_runs_on_the_gpu(block, tmp_path):
-    skip_unless_installed(block)
-    result = run_example(block, tmp_path, timeout=600)
-    if result["status"] == "skip":
-        pytest.skip(f"{block.id}: {result['reason']}")
+    result = _run_or_skip(block, tmp_path, 600, "")
     assert result["status"] == "ok", f"{block.id} failed:\n{result.get('traceback', '')}\n{result['output']}"
 
 
 @pytest.mark.skipif(HAS_GPU, reason="a GPU is present: test_example_runs_on_the_gpu runs the examples")
 @pytest.mark.parametrize("block", PYTHON, ids=lambda b: b.id)
 def test_example_without_gpu_fails_cleanly(block, tmp_path):
-    skip_unless_installed(block)
-    result = run_example(block, tmp_path, timeout=300)
-    if result["status"] == "skip":
-        pytest.skip(f"{block.id}: {result['reason']} (the example needs it on a GPU)")
+    result = _run_or_skip(block, tmp_path, 300, " (the example needs it on a GPU)")
     if block.kind == "cpu":
         assert result["status"] == "ok", f"{block.id} needs no GPU but failed:\n{result['traceback']}"
         return
