@@ -3,8 +3,15 @@ inputs rotated over more than 2x L2 so nothing is served hot from cache, peers t
 """
 from __future__ import annotations
 
+import ctypes
+import glob
+import inspect
 import json
+import math
+import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -159,12 +166,22 @@ def markdown(rows: list[Row], copy_gbps: float) -> str:
     def cell(v, fmt):
         return format(v, fmt) if v else ""
 
-    lines = ["| op | case | time (us) | GB/s | % copy BW | TFLOP/s | peer | peer (us) | peer/ours |",
-             "|---|---|---:|---:|---:|---:|---|---:|---:|"]
+    # DeepGEMM, the FP8 GEMMs' second peer: its columns only where a row has it (its ratio is ours / DeepGEMM in
+    # time, < 1: ours faster; MISMATCH: its output differed from ours, so its time is not a comparison)
+    dg = any(r.extra.get("deepgemm_us") for r in rows)
+    lines = ["| op | case | time (us) | GB/s | % copy BW | TFLOP/s | peer | peer (us) | peer/ours |"
+             + (" DeepGEMM (us) | DeepGEMM TFLOP/s | ours/DeepGEMM time |" if dg else ""),
+             "|---|---|---:|---:|---:|---:|---|---:|---:|" + ("---:|---:|---:|" if dg else "")]
     for r in rows:
         pct = f"{100 * r.gbps / copy_gbps:.0f}%" if r.gbytes and copy_gbps else ""
-        lines.append(f"| {r.op} | {r.case} | {r.us:.1f} | {cell(r.gbps, '.0f')} | {pct} | {cell(r.tflops_rate, '.1f')} "
-                     f"| {r.peer} | {cell(r.peer_us, '.1f')} | {cell(r.ratio, '.2f')} |")
+        line = (f"| {r.op} | {r.case} | {r.us:.1f} | {cell(r.gbps, '.0f')} | {pct} | {cell(r.tflops_rate, '.1f')} "
+                f"| {r.peer} | {cell(r.peer_us, '.1f')} | {cell(r.ratio, '.2f')} |")
+        if dg:
+            x = r.extra
+            flag = " MISMATCH" if x.get("deepgemm_us") and not x.get("deepgemm_agrees") else ""
+            line += (f" {cell(x.get('deepgemm_us'), '.1f')} | {cell(x.get('deepgemm_tflops'), '.1f')} "
+                     f"| {cell(x.get('ours_over_deepgemm'), '.3f')}{flag} |")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -182,9 +199,11 @@ def run(ops: list[str], json_path: str | None = None, quick: bool = False, devic
     print(table)
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"device": props.name, "copy_gbps": copy.gbps,
-                       "rows": [dict(asdict(r), gbps=r.gbps, tflops_rate=r.tflops_rate, ratio=r.ratio)
-                                for r in rows]}, f, indent=1)
+            body = {"device": props.name, "copy_gbps": copy.gbps,
+                    "rows": [dict(asdict(r), gbps=r.gbps, tflops_rate=r.tflops_rate, ratio=r.ratio) for r in rows]}
+            if _dg_state:  # an FP8 bench looked for DeepGEMM: which one ran, or why none
+                body["deepgemm"] = deepgemm_summary()
+            json.dump(body, f, indent=1)
     return rows
 
 
@@ -363,10 +382,376 @@ def bench_host(quick: bool = False, device: int = 0) -> list[Row]:
     return rows
 
 
+# ---- DeepGEMM: the FP8 GEMMs' same-run peer ----------------------------------------------------------------------
+#
+# Where `import deep_gemm` works (DeepGEMM itself, e.g. sgl-deep-gemm 0.1.5.post1: scripts/bench_deepgemm.py installs
+# it on the GPU machine), `bench --op gemm_fp8` and `--op gemm_fp8_grouped` time it on the same shapes and the same
+# inputs as ours (our quantizer's outputs, in the layouts DeepGEMM reads in place), in the same alternating graph
+# rounds, after checking that its output matches ours; cuBLAS stays the first peer. Its JIT compiles each kernel
+# shape with nvcc on first use (3-8 s): worker processes compile all of an op's shapes first, in parallel, outside
+# any timed region. Where it does not import, one line says why and the rows are as without it.
+
+DG_AGREE = 1e-2  # ours against DeepGEMM: relative (Frobenius) difference allowed; both round to bf16
+# MoE prefill with uneven groups (as routing gives them), each padded with -1 rows to the 128-row alignment:
+# (rows per group, N, K)
+CONTIGUOUS_UNEVEN = [((7000, 9100, 8192, 6450), 4096, 7168)]
+# DeepGEMM's FP8 calls, by the names its builds give them (sgl-deep-gemm 0.1.5.post1 calls the masked GEMM
+# fp8_m_grouped_gemm_nt_masked; m_grouped_fp8_gemm_nt_masked is DeepGEMM's own name for it)
+DG_CALLS = {"normal": ("fp8_gemm_nt",), "contiguous": ("m_grouped_fp8_gemm_nt_contiguous",),
+            "masked": ("fp8_m_grouped_gemm_nt_masked", "m_grouped_fp8_gemm_nt_masked"),
+            "wgrad": ("k_grouped_fp8_gemm_nt_contiguous",)}
+_dg_state: dict = {}  # "peer": the DeepGemmPeer or None, "skipped": why none, "missing": calls reported absent
+
+
+def _first_line(e: BaseException, n: int = 200) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else "")[:n]
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class DeepGemmPeer:
+    """DeepGEMM's SM90 FP8 GEMMs, called with our inputs in the layouts DeepGEMM reads without a copy: sA one fp32
+    scale per 1x128 group of a row, M-major with the column stride M rounded up to 4 (our quantizer's default
+    layout: one tensor feeds both libraries), sB one per 128x128 block, row-major; the masked GEMM's sA M-major per
+    group (`dg_masked_scales`); the K-grouped GEMM's operands each group's [rows, k_g] block after the previous
+    group's (`dg_k_grouped_operand`). Everything runs on torch's current stream, as DeepGEMM does."""
+
+    def __init__(self, mod):
+        self.mod = mod
+        self.version = str(getattr(mod, "__version__", "?"))
+        self.names, self.fns = {}, {}
+        for kind, names in DG_CALLS.items():
+            name = next((n for n in names if callable(getattr(mod, n, None))), None)
+            if name:
+                self.names[kind], self.fns[kind] = name, getattr(mod, name)
+        # DeepGEMM's own default for the normal GEMM compiles N and K into the kernel ("nk"); the sgl build's
+        # wrapper defaults to "": ask for "nk", as DeepGEMM's users get it.
+        fn = self.fns.get("normal")
+        self.normal_kw = {"compiled_dims": "nk"} if fn is not None and _accepts(fn, "compiled_dims") else {}
+        align = getattr(mod, "get_mk_alignment_for_contiguous_layout", None)
+        self.m_align = int(align()) if callable(align) else 128
+
+    def has(self, kind: str) -> bool:
+        """Whether this build has the call for `kind`; one printed line the first time it has not."""
+        if kind in self.fns:
+            return True
+        missing = _dg_state.setdefault("missing", [])
+        if kind not in missing:
+            missing.append(kind)
+            print(f"DeepGEMM peer: deep_gemm {self.version} has no {' / '.join(DG_CALLS[kind])}: "
+                  f"the {kind} rows are timed without it")
+        return False
+
+    def info(self) -> dict:
+        return {"version": self.version, "file": str(getattr(self.mod, "__file__", "?")), "calls": dict(self.names),
+                "normal_kw": dict(self.normal_kw), "m_alignment": self.m_align}
+
+    def gemm(self, a, sa, b, sb, d):
+        """D [M, N] bf16 = (A * sA) @ (B * sB)^T."""
+        self.fns["normal"]((a, sa), (b, sb), d, **self.normal_kw)
+
+    def contiguous(self, a, sa, b, sb, m_indices, d):
+        """MoE prefill: row m of A times expert m_indices[m]'s weights (-1: a padding row)."""
+        self.fns["contiguous"]((a, sa), (b, sb), d, m_indices)
+
+    def masked(self, a, sa, b, sb, masked_m, expected_m: int, d):
+        """MoE decode: the first masked_m[g] rows of each group; sa in `dg_masked_scales`' layout."""
+        self.fns["masked"]((a, sa), (b, sb), d, masked_m, expected_m)
+
+    def wgrad(self, a, sa, b, sb, d, ks, ks_tensor):
+        """MoE weight gradient, D[g] += A_g @ B_g^T in fp32 (c=d, as ours adds to D); operands from
+        `dg_k_grouped_operand`."""
+        self.fns["wgrad"]((a, sa), (b, sb), d, list(ks), ks_tensor, c=d, recipe=(1, 1, 128))
+
+
+def _preload_cuda_libs(torch) -> None:
+    """deep_gemm's _C.so links libcudart / libnvrtc / libcublas(Lt) of CUDA 13 by soname: load the copies torch
+    ships (else the toolkit's) where they are not loaded yet."""
+    try:
+        with open("/proc/self/maps") as f:
+            loaded = f.read()
+    except OSError:
+        return
+    torch_file = getattr(torch, "__file__", None)
+    dirs = glob.glob(os.path.join(os.path.dirname(os.path.dirname(torch_file)), "nvidia", "*", "lib")) \
+        if torch_file else []
+    dirs.append(os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "lib64"))
+    for lib in ("libcudart.so.13", "libnvrtc.so.13", "libcublasLt.so.13", "libcublas.so.13"):
+        for d in dirs if lib not in loaded else ():
+            path = os.path.join(d, lib)
+            if os.path.exists(path):
+                try:
+                    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+                    break
+                except OSError:
+                    pass
+
+
+def deepgemm_peer(torch):
+    """The DeepGEMM peer where `import deep_gemm` works, else None after one printed line saying why (once per
+    process). CK_BENCH_DEEPGEMM=0 leaves it out; CK_REQUIRE_DEEPGEMM=1 makes a failed import an error."""
+    if "peer" in _dg_state:
+        return _dg_state["peer"]
+    peer, why = None, None
+    if os.environ.get("CK_BENCH_DEEPGEMM", "1") == "0":
+        why = "CK_BENCH_DEEPGEMM=0"
+    else:
+        try:
+            _preload_cuda_libs(torch)
+            import deep_gemm
+            peer = DeepGemmPeer(deep_gemm)
+        except Exception as e:  # noqa: BLE001 (whatever stops it loading means: no DeepGEMM peer)
+            why = f"import deep_gemm failed ({type(e).__name__}: {_first_line(e)})"
+            if os.environ.get("CK_REQUIRE_DEEPGEMM") == "1":
+                raise RuntimeError(f"{why}, and CK_REQUIRE_DEEPGEMM=1") from e
+    _dg_state.update(peer=peer, skipped=why)
+    if peer is None:
+        print(f"DeepGEMM peer skipped: {why}; the FP8 rows are timed without it "
+              "(scripts/bench_deepgemm.py installs it on the GPU machine)")
+    else:
+        print(f"DeepGEMM peer: deep_gemm {peer.version} ({', '.join(peer.names.values())})")
+    return peer
+
+
+def deepgemm_summary() -> dict:
+    """For the JSON: the DeepGEMM that ran (version, calls) or why none did."""
+    peer = _dg_state.get("peer")
+    if peer is None:
+        return {"skipped": _dg_state.get("skipped")}
+    return dict(peer.info(), missing=list(_dg_state.get("missing", [])))
+
+
+def dg_masked_scales(torch, sa):
+    """[G, M, KB] fp32 scales in DeepGEMM's masked layout, each group M-major on its own with the column stride M
+    rounded up to 4 (its get_mn_major_tma_aligned_tensor; it copies any other layout on every call): a copy."""
+    g, m, kb = sa.shape
+    am = -(-m // 4) * 4
+    out = torch.empty_strided((g, m, kb), (am * kb, 1, am), device=sa.device, dtype=torch.float32)
+    out.copy_(sa)
+    return out
+
+
+def dg_k_grouped_operand(torch, x, sx, ks):
+    """Our K-grouped operand, x [R, K] e4m3 (group g: the columns after the previous groups') with sx [R, K/128]
+    fp32, as DeepGEMM's SM90 K-grouped GEMM takes it: flat, each group's [R, k_g] block row-major after the
+    previous group's (a copy); the scales [R, K/128] M-major with column stride R (as they are when R % 4 == 0)."""
+    r = x.shape[0]
+    flat = torch.empty(r * sum(ks), device=x.device, dtype=x.dtype)
+    start = 0
+    for kg in ks:
+        if kg:
+            flat[start * r:(start + kg) * r].view(r, kg).copy_(x[:, start:start + kg])
+        start += kg
+    return flat, (sx if tuple(sx.stride()) == (1, r) else sx.t().contiguous().t())
+
+
+def _rel_err(pairs) -> float:
+    """sqrt(sum |x - y|^2 / sum |y|^2) over (x, y) tensor pairs, in fp32 (NaN anywhere gives NaN)."""
+    num = den = 0.0
+    for x, y in pairs:
+        x, y = x.float(), y.float()
+        num += float((x - y).norm()) ** 2
+        den += float(y.norm()) ** 2
+    return math.sqrt(num / den) if den else (0.0 if num == 0 else math.inf)
+
+
+def _dg_check(torch, label: str, ours, theirs, valid):
+    """Before timing: `ours()` and `theirs()` each write their output and return it; `valid(out)` lists the parts
+    that hold results. Returns the relative difference, or None (one printed line) where DeepGEMM's call fails;
+    a difference over DG_AGREE is printed and flags the row (a wrong peer call, not a comparison)."""
+    mine = ours()
+    try:
+        peer_out = theirs()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 (a call DeepGEMM does not take: the row goes on without it)
+        print(f"DeepGEMM peer failed on {label}: {type(e).__name__}: {_first_line(e)}; the row is timed without it")
+        return None
+    err = _rel_err(zip(valid(mine), valid(peer_out)))
+    if not err <= DG_AGREE:
+        print(f"DeepGEMM peer MISMATCH on {label}: its output differs from ours by {err:.2e} (relative; allowed "
+              f"{DG_AGREE:g}): its time is reported flagged")
+    return err
+
+
+def _times_with_dg(torch, runs, dg_run, label: str, n_sets: int = 1, iters: int = 20):
+    """graph_times_us of `runs` plus DeepGEMM's run (where given) in the same alternating rounds: (the runs'
+    times, DeepGEMM's or 0.0). Where DeepGEMM's run fails there, one line, and `runs` are timed again alone."""
+    if dg_run is not None:
+        try:
+            *times, dg_us = graph_times_us(torch, list(runs) + [dg_run], n_sets, iters=iters)
+            return times, dg_us
+        except Exception as e:  # noqa: BLE001
+            print(f"DeepGEMM peer failed on {label} in the timed graphs: {type(e).__name__}: {_first_line(e)}; "
+                  "timing the row without it")
+            torch.cuda.synchronize()
+    return graph_times_us(torch, list(runs), n_sets, iters=iters), 0.0
+
+
+def _dg_columns(row: Row, dg_us: float, err, call: str) -> Row:
+    """The DeepGEMM columns of a row: its time, TFLOP/s and ours / DeepGEMM in time (< 1: ours faster)."""
+    if dg_us:
+        row.extra.update(deepgemm_us=dg_us, deepgemm_tflops=row.tflops / (dg_us * 1e-6) if row.tflops else 0.0,
+                         ours_over_deepgemm=row.us / dg_us, deepgemm_rel_err=err,
+                         deepgemm_agrees=err is not None and err <= DG_AGREE, deepgemm_call=call)
+    return row
+
+
+# -- JIT prewarm: every case's DeepGEMM kernel compiled in worker processes before the op's timing
+
+def _dg_label(case: dict) -> str:
+    kind = case["kind"]
+    if kind == "normal":
+        return f"normal {case['m']}x{case['n']}x{case['k']}"
+    if kind == "contiguous":
+        return f"contiguous {len(case['rows'])} groups {case['rows']} N={case['n']} K={case['k']}"
+    if kind == "masked":
+        return (f"masked G={len(case['masked'])} M={case['max_m']} rows {case['masked']} N={case['n']} "
+                f"K={case['k']} expected_m={case['expected_m']}")
+    return f"wgrad ks {case['ks']} M={case['m']} N={case['n']}"
+
+
+def _dg_kernel_key(case: dict) -> tuple:
+    """Cases that may share a DeepGEMM kernel (N and K compiled in): compiled by one worker, in turn."""
+    return (case["kind"], case["m"], case["n"]) if case["kind"] == "wgrad" else (case["kind"], case["n"], case["k"])
+
+
+def dg_random_call(torch, peer: DeepGemmPeer, case: dict, device="cuda"):
+    """DeepGEMM's call for `case` (a dict as `_dg_label` reads it) on random inputs of the case's shapes and the
+    layouts the bench passes (DeepGEMM picks and compiles its kernel from those, not from the values): a closure."""
+    f8, f32, bf16 = torch.float8_e4m3fn, torch.float32, torch.bfloat16
+
+    def fp8(*shape):
+        return torch.randn(*shape, device=device).to(f8)
+
+    def ones_strided(shape, strides):
+        return torch.empty_strided(shape, strides, device=device, dtype=f32).fill_(1.0)
+
+    kind, n = case["kind"], case["n"]
+    if kind == "wgrad":
+        ks, m = list(case["ks"]), case["m"]
+        total = sum(ks)
+        a, b = fp8(total * m), fp8(total * n)
+        sa, sb = ones_strided((m, total // 128), (1, m)), ones_strided((n, total // 128), (1, n))
+        d = torch.zeros(len(ks), m, n, device=device, dtype=f32)
+        ks_tensor = torch.tensor(ks, device=device, dtype=torch.int32)
+        return lambda: peer.wgrad(a, sa, b, sb, d, ks, ks_tensor)
+    k = case["k"]
+    kb, nb = -(-k // 128), -(-n // 128)
+    if kind == "normal":
+        m = case["m"]
+        a, b = fp8(m, k), fp8(n, k)
+        sa, sb = ones_strided((m, kb), (1, -(-m // 4) * 4)), torch.ones(nb, kb, device=device, dtype=f32)
+        d = torch.empty(m, n, device=device, dtype=bf16)
+        return lambda: peer.gemm(a, sa, b, sb, d)
+    if kind == "contiguous":
+        ids, starts = _contiguous_ids(case["rows"], peer.m_align)
+        m, groups = len(ids), len(case["rows"])
+        x = torch.randn(m, k, device=device, dtype=bf16)
+        for start, r, end in zip(starts, case["rows"], starts[1:] + [m]):
+            x[start + r:end] = 0  # padding rows zero, as DeepGEMM's usage has them
+        a, b = x.to(f8), fp8(groups, n, k)
+        sa, sb = ones_strided((m, kb), (1, -(-m // 4) * 4)), torch.ones(groups, nb, kb, device=device, dtype=f32)
+        m_indices = torch.tensor(ids, device=device, dtype=torch.int32)
+        d = torch.empty(m, n, device=device, dtype=bf16)
+        return lambda: peer.contiguous(a, sa, b, sb, m_indices, d)
+    if kind == "masked":
+        groups, max_m = len(case["masked"]), case["max_m"]
+        am = -(-max_m // 4) * 4
+        a, b = fp8(groups, max_m, k), fp8(groups, n, k)
+        sa = ones_strided((groups, max_m, kb), (am * kb, 1, am))
+        sb = torch.ones(groups, nb, kb, device=device, dtype=f32)
+        masked_m = torch.tensor(case["masked"], device=device, dtype=torch.int32)
+        d = torch.empty(groups, max_m, n, device=device, dtype=bf16)
+        return lambda: peer.masked(a, sa, b, sb, masked_m, case["expected_m"], d)
+    raise ValueError(f"unknown DeepGEMM case kind {kind!r}")
+
+
+def _contiguous_ids(rows, align: int):
+    """The m_indices of groups of `rows` rows, each segment padded with -1 rows to a multiple of `align`; and the
+    segments' first rows."""
+    ids, starts = [], []
+    for g, r in enumerate(rows):
+        starts.append(len(ids))
+        ids += [g] * r + [-1] * (-r % align)
+    return ids, starts
+
+
+def _dg_prewarm_worker(cases: list) -> None:
+    """One prewarm process: each case's DeepGEMM call once (compiling its kernel into DG_JIT_CACHE_DIR); prints
+    `ok <case> <s>` or `FAILED <case>: <error>` per case."""
+    import torch
+
+    _preload_cuda_libs(torch)
+    import deep_gemm
+
+    peer = DeepGemmPeer(deep_gemm)
+    for case in cases:
+        t0 = time.time()
+        try:
+            dg_random_call(torch, peer, case)()
+            torch.cuda.synchronize()
+            print(f"ok {_dg_label(case)} {time.time() - t0:.1f}s", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"FAILED {_dg_label(case)}: {type(e).__name__}: {_first_line(e, 300)}", flush=True)
+        torch.cuda.empty_cache()
+
+
+def _dg_worker_argv(cases: list) -> list:
+    code = ("import json, sys; from cudart_kernels.bench import _dg_prewarm_worker; "
+            "_dg_prewarm_worker(json.loads(sys.argv[1]))")
+    return [sys.executable, "-c", code, json.dumps(cases)]
+
+
+def dg_prewarm(cases: list) -> None:
+    """Compile DeepGEMM's kernels for `cases` in parallel worker processes before anything is timed (they share
+    its JIT cache, DG_JIT_CACHE_DIR; cases that may share a kernel go to one worker). CK_BENCH_DG_WORKERS sets
+    the number of processes (default: the CPU count, at most 8; 0: none, each case compiles at its cross-check
+    instead), CK_BENCH_DG_PREWARM_TIMEOUT the seconds they may take (default 400). Failures are printed; a case
+    DeepGEMM cannot run then fails its cross-check and is timed without it."""
+    workers = int(os.environ.get("CK_BENCH_DG_WORKERS", min(8, os.cpu_count() or 1)))
+    if workers <= 0 or not cases:
+        return
+    groups: dict = {}
+    for case in cases:
+        groups.setdefault(_dg_kernel_key(case), []).append(case)
+    chunks: list = [[] for _ in range(min(workers, len(groups)))]
+    for group in sorted(groups.values(), key=len, reverse=True):
+        min(chunks, key=len).extend(group)
+    t0 = time.time()
+    deadline = t0 + float(os.environ.get("CK_BENCH_DG_PREWARM_TIMEOUT", 400))
+    procs = [subprocess.Popen(_dg_worker_argv(chunk), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for chunk in chunks]
+    problems, done = [], 0
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+            problems.append(f"a worker ran past CK_BENCH_DG_PREWARM_TIMEOUT and was stopped (pid {proc.pid})")
+        lines = (out or "").splitlines()
+        done += sum(ln.startswith("ok ") for ln in lines)
+        failed = [ln for ln in lines if ln.startswith("FAILED ")]
+        problems += failed
+        if proc.returncode and not failed:  # died before or between cases (import error, crash): its last words
+            problems.append(f"worker exited {proc.returncode}: " + " | ".join(ln.strip() for ln in lines[-3:]))
+    print(f"DeepGEMM JIT prewarm: {done} of {len(cases)} shapes compiled or cached by {len(procs)} processes in "
+          f"{time.time() - t0:.0f} s")
+    for line in problems:
+        print("  " + line[:400])
+
+
 def bench_gemm_fp8(quick: bool = False, device: int = 0) -> list[Row]:
-    """The 18 normal shapes against cuBLAS blockwise FP8 (torch._scaled_mm with the same 1x128 and 128x128 scales),
-    both as CUDA-graph replays into the same rotating outputs, inputs from our quantization ops; cuBLAS BF16 on the
-    same shapes for context."""
+    """The 18 normal shapes against cuBLAS blockwise FP8 (torch._scaled_mm with the same 1x128 and 128x128 scales)
+    and, where `import deep_gemm` works, DeepGEMM (its output checked against ours first), all as CUDA-graph
+    replays into the same rotating outputs in alternating rounds, inputs from our quantization ops; cuBLAS BF16 on
+    the same shapes for context."""
     from .ops.gemm_fp8 import BENCH_SHAPES, gemm_fp8
     from .ops.quantize import quantize_fp8_per_block, quantize_fp8_per_token
 
@@ -375,6 +760,10 @@ def bench_gemm_fp8(quick: bool = False, device: int = 0) -> list[Row]:
         raise RuntimeError("bench --op gemm_fp8 needs torch for the cuBLAS peer")
     rows = []
     shapes = [(4096, 7168, 16384), (64, 2112, 7168)] if quick else BENCH_SHAPES["normal"]
+    dg = deepgemm_peer(torch)
+    dg = dg if dg is not None and dg.has("normal") else None
+    if dg is not None:
+        dg_prewarm([dict(kind="normal", m=m, n=n, k=k) for m, n, k in shapes])
     for m, n, k in shapes:
         nbytes = m * k + n * k + m * n * 2
         sets = sets_beyond_l2(nbytes, device, cap=16)
@@ -400,11 +789,20 @@ def bench_gemm_fp8(quick: bool = False, device: int = 0) -> list[Row]:
             return torch._scaled_mm(ops[i][0], ops[i][2].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
                                     out=d[i])
 
-        peer, ours = graph_times_us(torch, [blockwise, lambda i, s: gemm_fp8(*ops[i], d[i], stream=s)], sets,
-                                    iters=iters)
+        # DeepGEMM reads the same tensors as we do (sA M-major with the aligned column stride, sB row-major)
+        label, dg_run, err = f"gemm_fp8 {m}x{n}x{k}", None, None
+        if dg is not None:
+            check = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            err = _dg_check(torch, label, lambda: gemm_fp8(*ops[0], d[0]),
+                            lambda: (dg.gemm(*ops[0], check), check)[1], lambda out: [out])
+            check = None
+            if err is not None:
+                dg_run = lambda i, s: dg.gemm(*ops[i], d[i])  # noqa: E731
+        (peer, ours), dg_us = _times_with_dg(torch, [blockwise, lambda i, s: gemm_fp8(*ops[i], d[i], stream=s)],
+                                             dg_run, label, sets, iters=iters)
         tensorwise_us = graph_time_us(torch, tensorwise, sets, iters=iters)  # context: not in the peer's turns
-        rows.append(Row("gemm_fp8", f"{m}x{n}x{k}", ours, gbytes=nbytes / 1e9, tflops=2 * m * n * k / 1e12,
-                        peer="cuBLAS blockwise", peer_us=peer))
+        rows.append(_dg_columns(Row("gemm_fp8", f"{m}x{n}x{k}", ours, gbytes=nbytes / 1e9, tflops=2 * m * n * k / 1e12,
+                                    peer="cuBLAS blockwise", peer_us=peer), dg_us, err, dg and dg.names["normal"]))
         rows.append(Row("gemm_fp8_context", f"{m}x{n}x{k} cuBLAS FP8 per-tensor (context)", tensorwise_us,
                         tflops=2 * m * n * k / 1e12))
         a16 = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -445,19 +843,47 @@ def _context_us(torch, run) -> float:
         return 0.0
 
 
+def _masked_rows(torch, groups: int, rows: int):
+    """The real rows of each group of a masked case: 75-100% of M, the same every run (a CPU int tensor)."""
+    gen = torch.Generator().manual_seed(groups * rows)
+    return (torch.rand(groups, generator=gen) * 0.25 * rows + 0.75 * rows).int().clamp(max=rows)
+
+
 def bench_gemm_fp8_grouped(quick: bool = False, device: int = 0) -> list[Row]:
     """MoE shapes: grouped contiguous against torch._grouped_mm in BF16 (and a loop of cuBLAS blockwise FP8 per
     expert, context); grouped masked in TFLOP/s on the real rows (cuBLAS blockwise rejects their row counts on
-    torch 2.11: no peer); the K-grouped weight gradient (D += ...) against torch._grouped_mm BF16 over K groups (no add)."""
+    torch 2.11: no torch peer); the K-grouped weight gradient (D += ...) against torch._grouped_mm BF16 over K
+    groups (no add). Where `import deep_gemm` works, DeepGEMM on each (its output checked against ours first) in
+    the same alternating rounds, and on contiguous groups of uneven sizes (CONTIGUOUS_UNEVEN; no torch peer)."""
     from .ops.gemm_fp8 import (BENCH_SHAPES, gemm_fp8_grouped_contiguous, gemm_fp8_grouped_masked,
                                gemm_fp8_wgrad)
+    from .ops.quantize import quantize_fp8_per_token
 
     torch = torch_or_none()
     if torch is None:
         raise RuntimeError("bench --op gemm_fp8_grouped needs torch for the peers")
     out_rows = []
     bf16 = torch.bfloat16
-    for groups, rows, n, k in BENCH_SHAPES["contiguous"][:1 if quick else None]:
+    contiguous = BENCH_SHAPES["contiguous"][:1 if quick else None]
+    uneven = [] if quick else CONTIGUOUS_UNEVEN
+    masked_cases = [(g, rows, n, k, [int(x) for x in _masked_rows(torch, g, rows).tolist()])
+                    for g, rows, n, k in BENCH_SHAPES["masked"][:1 if quick else None]]
+    wgrad_cases = BENCH_SHAPES["wgrad"][:1 if quick else None]
+    dg = deepgemm_peer(torch)
+    m_align = dg.m_align if dg is not None else 128
+    if dg is not None:
+        cases = []
+        if dg.has("contiguous"):
+            cases += [dict(kind="contiguous", rows=[rows] * g, n=n, k=k) for g, rows, n, k in contiguous
+                      if rows % m_align == 0]
+            cases += [dict(kind="contiguous", rows=list(counts), n=n, k=k) for counts, n, k in uneven]
+        if dg.has("masked"):
+            cases += [dict(kind="masked", max_m=rows, masked=real, expected_m=-(-sum(real) // g), n=n, k=k)
+                      for g, rows, n, k, real in masked_cases]
+        if dg.has("wgrad"):
+            cases += [dict(kind="wgrad", ks=[tokens] * g, m=m, n=n) for g, tokens, m, n in wgrad_cases]
+        dg_prewarm(cases)
+    for groups, rows, n, k in contiguous:
         m = groups * rows
         a, sa = _fp8_activations(torch, m, k)
         b, sb = _fp8_weights(torch, groups, n, k)
@@ -467,16 +893,26 @@ def bench_gemm_fp8_grouped(quick: bool = False, device: int = 0) -> list[Row]:
         a16 = torch.randn(m, k, device="cuda", dtype=bf16)
         b16 = torch.randn(groups, n, k, device="cuda", dtype=bf16)
         offs = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * rows
+        case = f"{groups}x{rows} rows, N={n}, K={k}"
+        dg_run = err = None
+        if dg is not None and dg.has("contiguous") and rows % m_align == 0:
+            check = torch.empty(m, n, device="cuda", dtype=bf16)
+            err = _dg_check(torch, f"gemm_fp8_contiguous {case}",
+                            lambda: gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, d),
+                            lambda: (dg.contiguous(a, sa, b, sb, ids, check), check)[1], lambda out: [out])
+            check = None
+            if err is not None:
+                dg_run = lambda i, s: dg.contiguous(a, sa, b, sb, ids, d)  # noqa: E731
         # The segments are multiples of 256 rows: the caller may say so, which allows 256-row tiles.
-        peer, ours, ours128 = graph_times_us(torch, [
+        (peer, ours, ours128), dg_us = _times_with_dg(torch, [
             lambda i, s: torch._grouped_mm(a16, b16.transpose(-2, -1), offs=offs),
             lambda i, s: gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, d, alignment=256, stream=s),
-            lambda i, s: gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, d, stream=s)])
-        case = f"{groups}x{rows} rows, N={n}, K={k}"
-        out_rows.append(Row("gemm_fp8_contiguous", f"{case}, alignment=256", ours, tflops=flop,
-                            peer="torch._grouped_mm BF16", peer_us=peer))
-        out_rows.append(Row("gemm_fp8_contiguous", f"{case}, alignment=128", ours128, tflops=flop,
-                            peer="torch._grouped_mm BF16", peer_us=peer))
+            lambda i, s: gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, d, stream=s)], dg_run, case)
+        call = dg.names.get("contiguous") if dg is not None else None
+        out_rows.append(_dg_columns(Row("gemm_fp8_contiguous", f"{case}, alignment=256", ours, tflops=flop,
+                                        peer="torch._grouped_mm BF16", peer_us=peer), dg_us, err, call))
+        out_rows.append(_dg_columns(Row("gemm_fp8_contiguous", f"{case}, alignment=128", ours128, tflops=flop,
+                                        peer="torch._grouped_mm BF16", peer_us=peer), dg_us, err, call))
 
         per_group = [(a[g * rows:(g + 1) * rows], _mmajor_copy(sa[g * rows:(g + 1) * rows])) for g in range(groups)]
 
@@ -485,36 +921,91 @@ def bench_gemm_fp8_grouped(quick: bool = False, device: int = 0) -> list[Row]:
                 torch._scaled_mm(ag, b[g].t(), scale_a=sag, scale_b=sb[g].t(), out_dtype=bf16)
         out_rows.append(Row("gemm_fp8_context", f"{case} cuBLAS blockwise per expert (context)",
                             _context_us(torch, loop), tflops=flop))
-        a = sa = b = sb = d = a16 = b16 = None
-    for groups, rows, n, k in BENCH_SHAPES["masked"][:1 if quick else None]:
+        a = sa = b = sb = d = a16 = b16 = per_group = None
+    for counts, n, k in uneven:
+        # Uneven groups, each segment padded with -1 rows (zero in A) to DeepGEMM's alignment (ours: 128 rows).
+        groups = len(counts)
+        id_list, starts = _contiguous_ids(counts, m_align)
+        m = len(id_list)
+        x = torch.randn(m, k, device="cuda", dtype=bf16)
+        for start, r, end in zip(starts, counts, starts[1:] + [m]):
+            x[start + r:end] = 0
+        qa, qsa = quantize_fp8_per_token(x)
+        a, sa = torch.from_dlpack(qa), torch.from_dlpack(qsa)
+        b, sb = _fp8_weights(torch, groups, n, k)
+        ids = torch.tensor(id_list, device="cuda", dtype=torch.int32)
+        d = torch.empty(m, n, device="cuda", dtype=bf16)
+        case = f"{groups} groups of [{', '.join(map(str, counts))}] rows (segments padded to {m_align}), N={n}, K={k}"
+        dg_run = err = None
+        if dg is not None and dg.has("contiguous"):
+            check = torch.empty(m, n, device="cuda", dtype=bf16)
+            err = _dg_check(torch, f"gemm_fp8_contiguous {case}",
+                            lambda: gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, d, alignment=128),
+                            lambda: (dg.contiguous(a, sa, b, sb, ids, check), check)[1],
+                            lambda out: [out[st:st + r] for st, r in zip(starts, counts)])
+            check = None
+            if err is not None:
+                dg_run = lambda i, s: dg.contiguous(a, sa, b, sb, ids, d)  # noqa: E731
+        (ours,), dg_us = _times_with_dg(torch, [
+            lambda i, s: gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, d, alignment=128, stream=s)], dg_run, case)
+        out_rows.append(_dg_columns(Row("gemm_fp8_contiguous", f"{case}, alignment=128", ours,
+                                        tflops=2 * sum(counts) * n * k / 1e12), dg_us, err,
+                                    dg.names.get("contiguous") if dg is not None else None))
+        a = sa = b = sb = d = x = qa = qsa = None
+    for groups, rows, n, k, real in masked_cases:
         a, sa = _fp8_activations(torch, groups * rows, k)
         b, sb = _fp8_weights(torch, groups, n, k)
-        gen = torch.Generator().manual_seed(groups * rows)
-        real = (torch.rand(groups, generator=gen) * 0.25 * rows + 0.75 * rows).int().clamp(max=rows)
-        masked = real.to("cuda")
+        masked = torch.tensor(real, device="cuda", dtype=torch.int32)
         d = torch.empty(groups, rows, n, device="cuda", dtype=bf16)
         a3, sa3 = a.view(groups, rows, k), sa.view(groups, rows, -1)
-        ours = graph_time_us(torch, lambda i, s: gemm_fp8_grouped_masked(a3, sa3, b, sb, masked, d, stream=s))
-        flop = 2 * int(real.sum()) * n * k / 1e12
-
-        out_rows.append(Row("gemm_fp8_masked", f"G={groups}, M={rows} ({int(real.sum())} real rows), N={n}, K={k}",
-                            ours, tflops=flop))
-        a = sa = b = sb = d = a3 = sa3 = None
-    for groups, tokens, m, n in BENCH_SHAPES["wgrad"][:1 if quick else None]:
+        flop = 2 * sum(real) * n * k / 1e12
+        case = f"G={groups}, M={rows} ({sum(real)} real rows), N={n}, K={k}"
+        dg_run = err = None
+        if dg is not None and dg.has("masked"):
+            sa_dg, expected_m = dg_masked_scales(torch, sa3), -(-sum(real) // groups)
+            check = torch.empty(groups, rows, n, device="cuda", dtype=bf16)
+            err = _dg_check(torch, f"gemm_fp8_masked {case}",
+                            lambda: gemm_fp8_grouped_masked(a3, sa3, b, sb, masked, d),
+                            lambda: (dg.masked(a3, sa_dg, b, sb, masked, expected_m, check), check)[1],
+                            lambda out: [out[g, :r] for g, r in enumerate(real)])
+            check = None
+            if err is not None:
+                dg_run = lambda i, s: dg.masked(a3, sa_dg, b, sb, masked, expected_m, d)  # noqa: E731
+        (ours,), dg_us = _times_with_dg(
+            torch, [lambda i, s: gemm_fp8_grouped_masked(a3, sa3, b, sb, masked, d, stream=s)], dg_run, case)
+        out_rows.append(_dg_columns(Row("gemm_fp8_masked", case, ours, tflops=flop), dg_us, err,
+                                    dg.names.get("masked") if dg is not None else None))
+        a = sa = b = sb = d = a3 = sa3 = sa_dg = None
+    for groups, tokens, m, n in wgrad_cases:
         k = groups * tokens
+        ks = [tokens] * groups
         a, sa = _fp8_activations(torch, m, k)
         b, sb = _fp8_activations(torch, n, k)
         d = torch.zeros(groups, m, n, device="cuda", dtype=torch.float32)
-        ks = [tokens] * groups
         a16 = torch.randn(m, k, device="cuda", dtype=bf16)
         b16 = torch.randn(n, k, device="cuda", dtype=bf16)
         offs = torch.arange(1, groups + 1, device="cuda", dtype=torch.int32) * tokens
-        peer, ours = graph_times_us(torch, [lambda i, s: torch._grouped_mm(a16, b16.t(), offs=offs),
-                                            lambda i, s: gemm_fp8_wgrad(a, sa, b, sb, d, ks, stream=s)])
-        out_rows.append(Row("gemm_fp8_wgrad", f"{groups} experts x {tokens} tokens, M={m}, N={n} (D += , fp32)",
-                            ours, tflops=2 * m * n * k / 1e12, peer="torch._grouped_mm BF16 (K groups)",
-                            peer_us=peer))
-        a = sa = b = sb = d = a16 = b16 = None
+        case = f"{groups} experts x {tokens} tokens, M={m}, N={n} (D += , fp32)"
+        dg_run = err = None
+        if dg is not None and dg.has("wgrad"):
+            # DeepGEMM's K-grouped operands are each group's [rows, tokens] block in turn: copies of ours
+            a_dg, sa_dg = dg_k_grouped_operand(torch, a, sa, ks)
+            b_dg, sb_dg = dg_k_grouped_operand(torch, b, sb, ks)
+            ks_tensor = torch.tensor(ks, device="cuda", dtype=torch.int32)
+            check = torch.zeros(groups, m, n, device="cuda", dtype=torch.float32)
+            err = _dg_check(torch, f"gemm_fp8_wgrad {case}", lambda: gemm_fp8_wgrad(a, sa, b, sb, d, ks),
+                            lambda: (dg.wgrad(a_dg, sa_dg, b_dg, sb_dg, check, ks, ks_tensor), check)[1],
+                            lambda out: [out])  # both from zeros: one product each
+            check = None
+            if err is not None:
+                dg_run = lambda i, s: dg.wgrad(a_dg, sa_dg, b_dg, sb_dg, d, ks, ks_tensor)  # noqa: E731
+        (peer, ours), dg_us = _times_with_dg(torch, [lambda i, s: torch._grouped_mm(a16, b16.t(), offs=offs),
+                                                     lambda i, s: gemm_fp8_wgrad(a, sa, b, sb, d, ks, stream=s)],
+                                             dg_run, case)
+        out_rows.append(_dg_columns(Row("gemm_fp8_wgrad", case, ours, tflops=2 * m * n * k / 1e12,
+                                        peer="torch._grouped_mm BF16 (K groups)", peer_us=peer), dg_us, err,
+                                    dg.names.get("wgrad") if dg is not None else None))
+        a = sa = b = sb = d = a16 = b16 = a_dg = sa_dg = b_dg = sb_dg = None
     return out_rows
 
 
