@@ -230,6 +230,7 @@ def launches(fresh, events):
         mod = importlib.import_module(f"cudart_kernels.ops.{name}")
         fresh.setattr(mod, "get_launcher", rec.get_launcher)
         fresh.setattr(mod, "PLANS", PlanCache())
+        fresh.setattr(mod, "enter_device", lambda device: None)  # (no driver: no context to make current)
     return rec
 
 
@@ -318,7 +319,7 @@ def test_torch_out_is_returned_as_given_and_nothing_allocated(fake_torch, launch
 
 def test_torch_explicit_stream_allocates_on_that_stream(fresh, fake_torch, launches):
     orders = []
-    fresh.setattr(interop, "_order", lambda producer, consumer: orders.append((producer, consumer)))
+    fresh.setattr(interop, "_order", lambda producer, consumer, device: orders.append((producer, consumer)))
     a, b = fake_torch.tensor((M, K), "bfloat16"), fake_torch.tensor((N, K), "bfloat16")
     out = ck.gemm(a, b, stream=0x9999)  # not torch's current stream: the tensor is allocated under it
     assert orders == [(0x1234, 0x9999)]  # and the op's stream waits for torch's current one (the inputs' producer)

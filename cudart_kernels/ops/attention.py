@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..runtime import dtypes as dt
-from ..runtime.driver import device_properties
-from ..runtime.interop import DeviceArray, call_arrays, require
+from ..runtime.driver import device_properties, enter_device, leave_device
+from ..runtime.interop import DeviceArray, call_arrays, require, same_device
 from ..runtime.launch import ArgsMemo, get_launcher
 from ..runtime.plans import PLANS
 from ..runtime.scratch import SCRATCH
@@ -83,9 +83,6 @@ def check_inputs(q: DeviceArray, k: DeviceArray, v: DeviceArray, cu_seqlens_q: D
     if varlen:
         batch = _check_seqlens(cu_seqlens_q, "cu_seqlens_q", None)
         _check_seqlens(cu_seqlens_k, "cu_seqlens_k", batch)
-        for name, x in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if x.device != q.device:
-                raise ValueError(f"{name} is on cuda:{x.device} but q is on cuda:{q.device}")
         for name, x in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if x is None or int(x) != x or x < 0:
                 raise ValueError(f"{name} (a host int: the longest sequence, for the grid) is required with "
@@ -98,9 +95,7 @@ def check_inputs(q: DeviceArray, k: DeviceArray, v: DeviceArray, cu_seqlens_q: D
         if k.shape[0] != batch:
             raise ValueError(f"q has batch {batch} but k and v have {k.shape[0]}")
         seqlen_k = k.shape[1]
-    for name, x in (("k", k), ("v", v)):
-        if x.device != q.device:
-            raise ValueError(f"{name} is on cuda:{x.device} but q is on cuda:{q.device}")
+    same_device(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     return Dims(batch, heads_q, heads_kv, d, seqlen_q, seqlen_k, varlen)
 
 
@@ -108,13 +103,10 @@ def check_outputs(out: DeviceArray | None, lse: DeviceArray | None, q: DeviceArr
     """out: q's shape and dtype; lse: fp32 [B, H_q, S_q] (packed: [H_q, total_q]), rows contiguous."""
     if out is not None:
         require(out, "out", dtypes=(q.dtype,), ndim=q.ndim, shape=q.shape)
-        if out.device != q.device:
-            raise ValueError(f"out is on cuda:{out.device} but q is on cuda:{q.device}")
     if lse is not None:
         shape = (dims.heads_q, q.shape[0]) if dims.varlen else (dims.batch, dims.heads_q, dims.seqlen_q)
         require(lse, "lse", dtypes=(dt.float32,), ndim=len(shape), shape=shape, row_align=0, align=4)
-        if lse.device != q.device:
-            raise ValueError(f"lse is on cuda:{lse.device} but q is on cuda:{q.device}")
+    same_device(q=q, out=out, lse=lse)
 
 
 # ---- tile configs ----------------------------------------------------------------------------------------------
@@ -322,13 +314,18 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     plan = PLANS.get(key)
     if plan is None:
         plan = PLANS.add(key, _plan(qv, kv, vv, ov, lv, dims, causal, softmax_scale, tuning or TUNING))
-    counter = SCRATCH.acquire(qv.device, h, plan.scratch)[0] if plan.scratch else 0
-    ptrs = (qv.ptr, kv.ptr, vv.ptr, ov.ptr, 0 if lv is None else lv.ptr, 0 if cq is None else cq.ptr,
-            0 if ck is None else ck.ptr, counter)
-    args = plan.memo.get(ptrs)
-    if args is None:
-        args = plan.memo.add(ptrs, _args(plan, *ptrs))
-    plan.launch.run(plan.grid, h, args)
+    caller = enter_device(qv.device)  # (every array was checked to be on q's device)
+    try:
+        counter = SCRATCH.acquire(qv.device, h, plan.scratch)[0] if plan.scratch else 0
+        ptrs = (qv.ptr, kv.ptr, vv.ptr, ov.ptr, 0 if lv is None else lv.ptr, 0 if cq is None else cq.ptr,
+                0 if ck is None else ck.ptr, counter)
+        args = plan.memo.get(ptrs)
+        if args is None:
+            args = plan.memo.add(ptrs, _args(plan, *ptrs))
+        plan.launch.run(plan.grid, h, args)
+    finally:
+        if caller is not None:
+            leave_device(caller)
     return _result(native, ov, lv, out, lse, return_lse)
 
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from ..runtime import dtypes as dt
 from cuda.bindings import driver as cu
 
-from ..runtime.driver import check, device_properties
-from ..runtime.interop import DeviceArray, call_arrays, require
+from ..runtime.driver import check, device_properties, enter_device, leave_device
+from ..runtime.interop import DeviceArray, call_arrays, require, same_device
 from ..runtime.launch import ArgsMemo, get_launcher
 from ..runtime.plans import PLANS
 from ..runtime.scratch import SCRATCH
@@ -110,8 +110,7 @@ def _check_like(x: DeviceArray | None, name: str, ref: DeviceArray, ref_name: st
     if x is None:
         return
     require(x, name, dtypes=(ref.dtype,), ndim=ref.ndim, shape=ref.shape)
-    if x.device != ref.device:
-        raise ValueError(f"{name} is on cuda:{x.device} but {ref_name} is on cuda:{ref.device}")
+    same_device(**{ref_name: ref, name: x})
 
 
 def check_backward(dov, qv, kv, vv, ov, lv, cq, ck, max_q, max_k, dqv, dkv, dvv) -> Dims:
@@ -272,6 +271,18 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     if plan is None:
         plan = PLANS.add(key, _plan((dov, qv, kv, vv, ov, lv, dqv, dkv, dvv), dims, causal, softmax_scale,
                                     bool(deterministic), tuning or TUNING))
+    caller = enter_device(qv.device)  # (every array was checked to be on q's device)
+    try:
+        _launch(plan, dims, h, (dov, qv, kv, vv, ov, lv, cq, ck, dqv, dkv, dvv))
+    finally:
+        if caller is not None:
+            leave_device(caller)
+    return _result(native, (dqv, dkv, dvv), (dq, dk, dv))
+
+
+def _launch(plan: _Plan, dims: Dims, h: int, arrays) -> None:
+    """The prep, main and conversion launches of one call, with the device's context current."""
+    dov, qv, kv, vv, ov, lv, cq, ck, dqv, dkv, dvv = arrays
     scratch = dict(zip((n[0] for n in plan.scratch), SCRATCH.acquire(qv.device, h, plan.scratch)))
     dkv_acc = scratch.get("attn_bwd_dkv", 0)
     ptrs = (dov.ptr, qv.ptr, kv.ptr, vv.ptr, ov.ptr, lv.ptr, 0 if cq is None else cq.ptr,
@@ -292,7 +303,6 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
             plan.post.run(plan.kv_grid, h, a)
     if plan.run_rows:
         plan.post.run(plan.row_grid, h, post_args)
-    return _result(native, (dqv, dkv, dvv), (dq, dk, dv))
 
 
 def _result(native, views, given) -> tuple:

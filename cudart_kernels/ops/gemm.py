@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..runtime import dtypes as dt
-from ..runtime.driver import DeviceProperties, device_properties
-from ..runtime.interop import DeviceArray, call_arrays, require
+from ..runtime.driver import DeviceProperties, device_properties, enter_device, leave_device
+from ..runtime.interop import DeviceArray, call_arrays, require, same_device
 from ..runtime.launch import ArgsMemo, get_launcher
 from ..runtime.plans import PLANS
 from ..runtime.scratch import SCRATCH
@@ -416,21 +416,18 @@ def _check_inputs(av, bv, cv, b_kn: bool) -> tuple[int, int, int]:
         raise ValueError("K must be at least 1")
     if cv is not None:
         require(cv, "c", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
-    for name, x in (("b", bv), ("c", cv)):
-        if x is not None and x.device != av.device:
-            raise ValueError(f"{name} is on cuda:{x.device} but a is on cuda:{av.device}")
+    same_device(a=av, b=bv, c=cv)
     return m, n, k
 
 
-def _check_out(dv, m: int, n: int, device: int) -> None:
+def _check_out(dv, av, m: int, n: int) -> None:
     require(dv, "out", dtypes=_OUTPUTS, ndim=2, shape=(m, n))
-    if dv.device != device:
-        raise ValueError(f"out is on cuda:{dv.device} but a is on cuda:{device}")
+    same_device(a=av, out=dv)
 
 
 def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: GemmTuning):
     m, n, k = _check_inputs(av, bv, None if accumulate else cv, b_kn)
-    _check_out(dv, m, n, av.device)
+    _check_out(dv, av, m, n)
     props = device_properties(av.device)
     dc = pick_decode(m, n, k, props, split_k, b_kn, tuning)
     if dc is not None:  # bitwise reproducible by construction, so `deterministic` needs nothing more
@@ -523,21 +520,26 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
     if plan is None:
         if dv.ndim == 2 and 0 in dv.shape:
             _check_inputs(av, bv, None if accumulate else cv, b_kn)
-            _check_out(dv, av.shape[0], bv.shape[1] if b_kn else bv.shape[0], av.device)
+            _check_out(dv, av, av.shape[0], bv.shape[1] if b_kn else bv.shape[0])
             return native.result(dv) if out is None else out
         plan = PLANS.add(key, _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning or TUNING))
     c_ptr, ld_c = (cv.ptr, cv.strides[0]) if plan.uses_c else (0, 0)
-    if type(plan) is _DecodePlan:
-        plan.launch(plan.grid, h, av.ptr, av.strides[0], bv.ptr, bv.strides[0], dv.ptr, dv.strides[0], c_ptr, ld_c,
-                    av.shape[0], dv.shape[1], av.shape[1])
-    elif not plan.scratch:  # the arguments are a function of the pointers alone
-        ptrs = (av.ptr, bv.ptr, dv.ptr, c_ptr)
-        args = plan.memo.get(ptrs)
-        if args is None:
-            args = plan.memo.add(ptrs, _args(plan, av.ptr, bv.ptr, dv.ptr, c_ptr, ld_c, 0, 0))
-        plan.launch.run(plan.grid, h, args)
-    else:
-        ptrs = SCRATCH.acquire(av.device, h, plan.scratch)
-        w_ptr = ptrs[0] if plan.epi == "EPI_SPLIT" else 0
-        plan.launch.run(plan.grid, h, _args(plan, av.ptr, bv.ptr, dv.ptr, c_ptr, ld_c, w_ptr, ptrs[-1]))
+    caller = enter_device(av.device)  # (the plan key holds every array's device: they are all on this one)
+    try:
+        if type(plan) is _DecodePlan:
+            plan.launch(plan.grid, h, av.ptr, av.strides[0], bv.ptr, bv.strides[0], dv.ptr, dv.strides[0], c_ptr,
+                        ld_c, av.shape[0], dv.shape[1], av.shape[1])
+        elif not plan.scratch:  # the arguments are a function of the pointers alone
+            ptrs = (av.ptr, bv.ptr, dv.ptr, c_ptr)
+            args = plan.memo.get(ptrs)
+            if args is None:
+                args = plan.memo.add(ptrs, _args(plan, av.ptr, bv.ptr, dv.ptr, c_ptr, ld_c, 0, 0))
+            plan.launch.run(plan.grid, h, args)
+        else:
+            ptrs = SCRATCH.acquire(av.device, h, plan.scratch)
+            w_ptr = ptrs[0] if plan.epi == "EPI_SPLIT" else 0
+            plan.launch.run(plan.grid, h, _args(plan, av.ptr, bv.ptr, dv.ptr, c_ptr, ld_c, w_ptr, ptrs[-1]))
+    finally:
+        if caller is not None:
+            leave_device(caller)
     return native.result(dv) if out is None else out

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..runtime import dtypes as dt
-from ..runtime.driver import DeviceProperties, device_properties
-from ..runtime.interop import DeviceArray, call_arrays, require
+from ..runtime.driver import DeviceProperties, device_properties, enter_device, leave_device
+from ..runtime.interop import DeviceArray, call_arrays, require, same_device
 from ..runtime.launch import ArgsMemo, get_launcher
 from ..runtime.plans import PLANS
 from ..runtime.scratch import SCRATCH
@@ -356,12 +356,6 @@ def _flatten(v: DeviceArray, name: str) -> DeviceArray:
     return DeviceArray(v.ptr, (g * r, c), v.dtype, (v.strides[1], v.strides[2]), v.device, v.stream, v)
 
 
-def _same_device(av, **others):
-    for name, x in others.items():
-        if x.device != av.device:
-            raise ValueError(f"{name} is on cuda:{x.device} but a is on cuda:{av.device}")
-
-
 def _check_scales(v: DeviceArray, name: str, shape: tuple) -> None:
     require(v, name, dtypes=(dt.float32,), ndim=len(shape), shape=shape, row_contiguous=False, align=4,
             row_align=0)
@@ -496,22 +490,28 @@ _NOTHING = "nothing to compute"  # the plan of a call with an empty dimension
 def _launch(plan, h, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr, ks=None):
     if plan is _NOTHING:
         return
-    if not plan.scratch:  # the arguments are a function of the pointers alone
-        ptrs = (a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr)
-        args = plan.memo.get(ptrs)
-        if args is None:
-            args = plan.memo.add(ptrs, _args(plan, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr))
-        plan.launch.run(plan.grid, h, args)
-        return
-    slots = iter(SCRATCH.acquire(plan.launch.function.device, h, plan.scratch))  # in plan.scratch's order
-    sa_ptr = _scales_ptr(plan.sa, sa_ptr, slots, h)
-    if plan.sb is not None:
-        sb_mmajor = _scales_ptr(plan.sb, sb_ptr, slots, h)
-        info_ptr = next(slots)
-        _fill_offsets(ks, info_ptr, plan.launch.function.device, h)
-    else:
-        sb_mmajor = 0
-    plan.launch.run(plan.grid, h, _args(plan, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor))
+    device = plan.launch.function.device  # (the plan key holds every array's device: they are all on this one)
+    caller = enter_device(device)
+    try:
+        if not plan.scratch:  # the arguments are a function of the pointers alone
+            ptrs = (a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr)
+            args = plan.memo.get(ptrs)
+            if args is None:
+                args = plan.memo.add(ptrs, _args(plan, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr))
+            plan.launch.run(plan.grid, h, args)
+            return
+        slots = iter(SCRATCH.acquire(device, h, plan.scratch))  # in plan.scratch's order
+        sa_ptr = _scales_ptr(plan.sa, sa_ptr, slots, h)
+        if plan.sb is not None:
+            sb_mmajor = _scales_ptr(plan.sb, sb_ptr, slots, h)
+            info_ptr = next(slots)
+            _fill_offsets(ks, info_ptr, device, h)
+        else:
+            sb_mmajor = 0
+        plan.launch.run(plan.grid, h, _args(plan, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor))
+    finally:
+        if caller is not None:
+            leave_device(caller)
 
 
 def _args(plan, a_ptr, sa_mmajor, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor=0) -> tuple:
@@ -525,14 +525,13 @@ def _args(plan, a_ptr, sa_mmajor, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor=0) -
             *plan.sb_strides, info_ptr, d_ptr, plan.ld_d, *plan.args, plan.cfg.group_m)
 
 
-def _output(dv, shape, dtype, device, native, h, stream) -> DeviceArray:
-    """Check the given output view, or allocate one through the call's framework (after every input was
-    validated)."""
+def _output(dv, av, shape, dtype, native, h, stream) -> DeviceArray:
+    """Check the given output view, or allocate one through the call's framework on a's device (after every
+    input was validated)."""
     if dv is None:
-        return native.empty(shape, dtype, device, h, stream)
+        return native.empty(shape, dtype, av.device, h, stream)
     require(dv, "out", dtypes=(dtype,), ndim=len(shape), shape=shape)
-    if dv.device != device:
-        raise ValueError(f"out is on cuda:{dv.device} but a is on cuda:{device}")
+    same_device(a=av, out=dv)
     return dv
 
 
@@ -558,8 +557,8 @@ def gemm_fp8(a, sa, b, sb, out=None, *, stream=None, tuning: Fp8Tuning | None = 
         require(av, "a", dtypes=(dt.float8_e4m3,), ndim=2)
         n, k = _check_operands(av, sav, bv, sbv, None)
         m = av.shape[0]
-        _same_device(av, sa=sav, b=bv, sb=sbv)
-        dv = _output(dv, (m, n), dt.bfloat16, av.device, native, h, stream)
+        same_device(a=av, sa=sav, b=bv, sb=sbv)
+        dv = _output(dv, av, (m, n), dt.bfloat16, native, h, stream)
         plan = _plan(key, NORMAL, av, sav, bv, sbv, dv, (0, sbv.strides[0], sbv.strides[1]), m, n, k, 1, 256, tuning)
     _launch(plan, h, av.ptr, sav.ptr, bv.ptr, sbv.ptr, dv.ptr, 0)
     return native.result(dv) if out is None else out
@@ -591,8 +590,8 @@ def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment:
         n, k = _check_operands(av, sav, bv, sbv, groups)
         m = av.shape[0]
         _check_group_ids(iv, "m_indices", m)
-        _same_device(av, sa=sav, b=bv, sb=sbv, m_indices=iv)
-        dv = _output(dv, (m, n), dt.bfloat16, av.device, native, h, stream)
+        same_device(a=av, sa=sav, b=bv, sb=sbv, m_indices=iv)
+        dv = _output(dv, av, (m, n), dt.bfloat16, native, h, stream)
         plan = _plan(key, CONTIGUOUS, av, sav, _flatten(bv, "b"), sbv, dv, sbv.strides, m, n, k, groups, alignment,
                      tuning)
     _launch(plan, h, av.ptr, sav.ptr, bv.ptr, sbv.ptr, dv.ptr, iv.ptr)
@@ -617,8 +616,8 @@ def gemm_fp8_grouped_masked(a, sa, b, sb, masked_m, out=None, *, stream=None, tu
         groups, m, _ = av.shape
         n, k = _check_operands(av, sav, bv, sbv, groups)
         _check_group_ids(iv, "masked_m", groups)
-        _same_device(av, sa=sav, b=bv, sb=sbv, masked_m=iv)
-        dv = _output(dv, (groups, m, n), dt.bfloat16, av.device, native, h, stream)
+        same_device(a=av, sa=sav, b=bv, sb=sbv, masked_m=iv)
+        dv = _output(dv, av, (groups, m, n), dt.bfloat16, native, h, stream)
         plan = _plan(key, MASKED, _flatten(av, "a"), _flatten(sav, "sa"), _flatten(bv, "b"), sbv, _flatten(dv, "out"),
                      sbv.strides, m, n, k, groups, 256, tuning)
     _launch(plan, h, av.ptr, sav.ptr, bv.ptr, sbv.ptr, dv.ptr, iv.ptr)
@@ -657,7 +656,7 @@ def gemm_fp8_wgrad(a, sa, b, sb, d, ks, *, stream=None, tuning: Fp8Tuning | None
     _check_scales(sav, "sa", (m, k // 128))
     _check_scales(sbv, "sb", (n, k // 128))
     require(dv, "d", dtypes=(dt.float32,), ndim=3, shape=(groups, m, n))
-    _same_device(av, sa=sav, b=bv, sb=sbv, d=dv)
+    same_device(a=av, sa=sav, b=bv, sb=sbv, d=dv)
     plan = _plan(key, KGROUPED, av, sav, bv, sbv, _flatten(dv, "d"), (0, 0, 0), m, n, k, groups, 256, tuning)
     _launch(plan, h, av.ptr, sav.ptr, bv.ptr, sbv.ptr, dv.ptr, 0, ks)
     return d

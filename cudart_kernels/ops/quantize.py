@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..runtime import dtypes as dt
-from ..runtime.interop import call_arrays, require
+from ..runtime.driver import enter_device, leave_device
+from ..runtime.interop import call_arrays, require, same_device
 from ..runtime.launch import get_launcher
 from ..runtime.plans import PLANS
 
@@ -95,9 +96,7 @@ def _plan(kind, name, xv, qv, sv, tuning: QuantTuning):
             row_align=0)
     if sv.size and any(st <= 0 for st, n in zip(sv.strides, sv.shape) if n > 1):
         raise ValueError(f"out_scales: strides must be positive, got {sv.strides}")
-    for a, what in ((qv, "out"), (sv, "out_scales")):
-        if a.device != xv.device:
-            raise ValueError(f"{what} is on cuda:{a.device} but {name} is on cuda:{xv.device}")
+    same_device(**{name: xv}, out=qv, out_scales=sv)
     if kind == "token":
         grid, log2_gpb = token_grid(xv.dtype, m, k, tuning=tuning)
         launch = get_launcher("quantize.cu", "quantize_per_token", _defines(xv.dtype), xv.device, _TOKEN_ARGS,
@@ -128,7 +127,12 @@ def _run(kind, name, x, out, out_scales, stream, layout="rowmajor", tuning=None)
         plan = PLANS.add(key, _plan(kind, name, xv, qv, sv, tuning or TUNING))
     launch, grid, args = plan
     if launch is not None:
-        launch(grid, h, xv.ptr, args[0], qv.ptr, args[1], sv.ptr, *args[2:])
+        caller = enter_device(xv.device)  # (the plan key holds the three arrays' devices: they are all on this one)
+        try:
+            launch(grid, h, xv.ptr, args[0], qv.ptr, args[1], sv.ptr, *args[2:])
+        finally:
+            if caller is not None:
+                leave_device(caller)
     return (native.result(qv) if out is None else out), (native.result(sv) if out_scales is None else out_scales)
 
 

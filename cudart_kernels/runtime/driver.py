@@ -96,13 +96,55 @@ def require_device(device: int) -> None:
         raise NoDeviceError(problem)
 
 
-def use_device(device: int) -> None:
-    """Make `device`'s primary context current on this thread (the one torch, cupy and jax use); NoDeviceError
-    first when it cannot run these kernels."""
-    require_device(device)
+# Per device: its primary context's handle, once the device has been checked (a hit is one dict read).
+_context_handles: dict = {}
+
+
+def enter_device(device: int):
+    """Make `device`'s primary context (the one torch, cupy and jax use) current on this thread for the driver
+    calls that follow. Returns the context that was current before when it was another one, for `leave_device`
+    to make current again, else None. A thread with no current context keeps the device's. Every call asks the
+    driver which context is current (a thread-local read): torch.cuda.set_device and friends change it behind our
+    back, so no copy of it is kept."""
+    want = _context_handles.get(device)
+    if want is None:
+        require_device(device)
+        want = _context_handles[device] = _primary_context_handle(device)
     current = cu.cuCtxGetCurrent()[1]
-    if current is None or int(current) != _primary_context_handle(device):
-        check(cu.cuCtxSetCurrent(primary_context(device)))
+    if current is not None and int(current) == want:
+        return None
+    check(cu.cuCtxSetCurrent(primary_context(device)))
+    return current if current is not None and int(current) else None
+
+
+def leave_device(previous) -> None:
+    """Undo `enter_device`: make the caller's context current again (nothing to do for None)."""
+    if previous is not None:
+        check(cu.cuCtxSetCurrent(previous))
+
+
+class device_context:
+    """`with device_context(d):` runs the block's driver calls in device d's primary context and leaves the
+    caller's context current afterwards (for the runtime's slower paths; ops use enter_device / leave_device
+    around their launches, which costs less)."""
+
+    __slots__ = ("device", "previous")
+
+    def __init__(self, device: int):
+        self.device = device
+
+    def __enter__(self):
+        self.previous = enter_device(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        leave_device(self.previous)
+
+
+def use_device(device: int) -> None:
+    """Make `device`'s primary context current on this thread and leave it current (scripts and benchmarks; the
+    library's own calls restore the caller's context); NoDeviceError first when it cannot run these kernels."""
+    enter_device(device)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from . import dtypes as dt
-from .driver import check, gpu_available, stream_handle, stream_is_capturing, use_device
+from .driver import check, device_context, gpu_available, stream_handle, stream_is_capturing
 
 # ---- DLPack ABI ------------------------------------------------------------------------------------------------
 kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
@@ -78,16 +78,19 @@ def _handle_from_dlpack_stream(stream) -> int | None:
     return stream
 
 
-def _order(producer: int | None, consumer: int | None) -> None:
-    """Make `consumer` wait for the work queued on `producer` so far (no-op when they are the same stream)."""
+def _order(producer: int | None, consumer: int | None, device: int) -> None:
+    """Make `consumer` wait for the work queued on `producer` so far (no-op when they are the same stream), in
+    `device`'s context (the producer's: an event is recorded on a stream of its own context, and 0 means that
+    context's legacy default stream)."""
     if producer is None or consumer is None or producer == consumer:
         return
-    ev = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
-    try:
-        check(cu.cuEventRecord(ev, producer))
-        check(cu.cuStreamWaitEvent(consumer, ev, 0))
-    finally:
-        check(cu.cuEventDestroy(ev))
+    with device_context(device):
+        ev = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        try:
+            check(cu.cuEventRecord(ev, producer))
+            check(cu.cuStreamWaitEvent(consumer, ev, 0))
+        finally:
+            check(cu.cuEventDestroy(ev))
 
 
 # ---- device memory ---------------------------------------------------------------------------------------------
@@ -108,20 +111,20 @@ class _Allocation:
     __slots__ = ("ptr", "stream", "device", "nbytes", "_stream_owner")
 
     def __init__(self, nbytes: int, device: int, stream: int, stream_owner=None):
-        use_device(device)
         self._stream_owner = stream_owner
-        if stream_is_capturing(stream):
-            raise RuntimeError("cudart_kernels cannot allocate while the stream is capturing a CUDA graph: "
-                               "pass preallocated outputs (out=...) inside the capture")
-        self.ptr = int(check(cu.cuMemAllocAsync(max(nbytes, 1), stream)))
+        with device_context(device):  # (memory from the device's pool; stream 0 is its legacy default stream)
+            if stream_is_capturing(stream):
+                raise RuntimeError("cudart_kernels cannot allocate while the stream is capturing a CUDA graph: "
+                                   "pass preallocated outputs (out=...) inside the capture")
+            self.ptr = int(check(cu.cuMemAllocAsync(max(nbytes, 1), stream)))
         self.stream, self.device, self.nbytes = stream, device, nbytes
 
     def __del__(self):
         if _exiting:  # the driver tears the context down with the process; calling into it now can crash
             return
-        try:
-            use_device(self.device)
-            cu.cuMemFreeAsync(self.ptr, self.stream)
+        try:  # (the caller's context comes back: this may run inside an op call on another device)
+            with device_context(self.device):
+                cu.cuMemFreeAsync(self.ptr, self.stream)
         except Exception:  # interpreter shutdown: the context is gone with the process
             pass
 
@@ -180,8 +183,9 @@ class DeviceArray:
         arr = np.ascontiguousarray(arr)
         out = cls.empty(arr.shape, dt.as_dtype(arr.dtype), device, stream)
         if arr.nbytes:
-            check(cu.cuMemcpyHtoDAsync(out.ptr, arr.ctypes.data, arr.nbytes, out.stream))
-            check(cu.cuStreamSynchronize(out.stream))  # the host buffer may go away after we return
+            with device_context(out.device):
+                check(cu.cuMemcpyHtoDAsync(out.ptr, arr.ctypes.data, arr.nbytes, out.stream))
+                check(cu.cuStreamSynchronize(out.stream))  # the host buffer may go away after we return
         return out
 
     @classmethod
@@ -226,9 +230,9 @@ class DeviceArray:
         lo, hi = self._span()
         it = self.dtype.itemsize
         host = np.empty((hi - lo) * it, np.uint8)
-        use_device(self.device)
-        check(cu.cuMemcpyDtoHAsync(host.ctypes.data, self.ptr + lo * it, host.nbytes, h))
-        check(cu.cuStreamSynchronize(h))
+        with device_context(self.device):
+            check(cu.cuMemcpyDtoHAsync(host.ctypes.data, self.ptr + lo * it, host.nbytes, h))
+            check(cu.cuStreamSynchronize(h))
         view = np.ndarray(self.shape, self.dtype.numpy, buffer=host, offset=-lo * it,
                           strides=tuple(s * it for s in self.strides))
         return np.ascontiguousarray(view)
@@ -238,8 +242,8 @@ class DeviceArray:
         if not self.is_contiguous():
             raise ValueError("fill_bytes needs a contiguous array")
         h = self.stream if stream is None else stream_handle(stream)
-        use_device(self.device)
-        check(cu.cuMemsetD8Async(self.ptr, value & 0xFF, self.nbytes, h))
+        with device_context(self.device):
+            check(cu.cuMemsetD8Async(self.ptr, value & 0xFF, self.nbytes, h))
         return self
 
     # -- export --
@@ -251,7 +255,7 @@ class DeviceArray:
             raise BufferError(f"DeviceArray lives on cuda:{self.device}; cannot export to {dl_device}")
         if copy:
             raise BufferError("DeviceArray exports without copying (copy=True is not supported)")
-        _order(self.stream, _handle_from_dlpack_stream(stream))
+        _order(self.stream, _handle_from_dlpack_stream(stream), self.device)
         versioned = max_version is not None and tuple(max_version)[0] >= 1
         return _export_capsule(self, versioned)
 
@@ -367,9 +371,6 @@ def _from_cai(obj, consumer: int) -> DeviceArray:
         if any(s % dtype.itemsize for s in strides):
             raise ValueError(f"byte strides {strides} are not multiples of the element size {dtype.itemsize}")
         strides = tuple(s // dtype.itemsize for s in strides)
-    producer = cai.get("stream")
-    if producer is not None and cai.get("version", 0) >= 3:
-        _order(0 if producer == 1 else producer, consumer)
     device = 0
     if ptr:
         attr = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
@@ -377,6 +378,9 @@ def _from_cai(obj, consumer: int) -> DeviceArray:
         if err:
             raise HostArrayError(f"pointer 0x{ptr:x} from __cuda_array_interface__ is not device memory")
         device = int(dev)
+    producer = cai.get("stream")
+    if producer is not None and cai.get("version", 0) >= 3:
+        _order(0 if producer == 1 else producer, consumer, device)
     return DeviceArray(ptr, shape, dtype, strides, device, consumer, obj)
 
 
@@ -409,8 +413,8 @@ def _torch_view(t, consumer: int, table) -> DeviceArray:
 
 def as_arrays(objs, stream: int) -> list:
     """`as_array` over the arrays of one call (None stays None), on the stream handle `stream`. Torch tensors get
-    the ordering torch's __dlpack__(stream) gives, once: `stream` waits for torch's current stream on the first
-    tensor's device (the ops require one device for all their arrays)."""
+    the ordering torch's __dlpack__(stream) gives, once: `stream` waits for torch's current stream on the
+    tensors' device (arrays on several devices are left to the op's validation, which refuses them)."""
     return _views(objs, stream, False)
 
 
@@ -430,10 +434,10 @@ def _views(objs, stream: int, on_torch_stream: bool) -> list:
         else:
             x = as_array(x, stream)
         views.append(x)
-    if device is not None and not on_torch_stream:
+    if device is not None and not on_torch_stream and all(v is None or v.device == device for v in views):
         producer = raw_stream(device)
         if producer != stream:
-            _order(producer, stream)
+            _order(producer, stream, device)
     return views
 
 
@@ -713,11 +717,23 @@ def require(a: DeviceArray, name: str, dtypes=None, ndim: int | None = None, sha
     return a
 
 
-def same_device(*arrays) -> int:
-    devs = {a.device for a in arrays}
-    if len(devs) != 1:
-        raise ValueError(f"operands live on different devices: {sorted(devs)}")
-    return devs.pop()
+def same_device(*arrays, **named) -> int:
+    """The device of an op's arrays (None skipped; keyword names are used in the message), or a ValueError naming
+    two arrays on different devices: an op runs on one GPU, its arrays' (the caller's current device plays no
+    part)."""
+    first = first_name = None
+    items = named.items() if not arrays else [(f"array {i}", x) for i, x in enumerate(arrays)] + list(named.items())
+    for name, x in items:
+        if x is None:
+            continue
+        if first is None:
+            first, first_name = x, name
+        elif x.device != first.device:
+            raise ValueError(f"{name} is on cuda:{x.device} but {first_name} is on cuda:{first.device}: an op's "
+                             "arrays must all be on one device")
+    if first is None:
+        raise ValueError("same_device: no arrays given")
+    return first.device
 
 
 __all__ = ["DeviceArray", "Native", "as_array", "call_arrays", "native_of", "parse_dlpack", "require", "same_device",

@@ -9,7 +9,7 @@ import threading
 from cuda.bindings import driver as cu
 
 from .compiler import Compiled
-from .driver import check, use_device
+from .driver import CudaError, check, device_context
 
 # Kernel parameter kinds -> (struct format, size = alignment). "tmap" is a CUtensorMap passed by value
 # (__grid_constant__), copied in from its TensorMap's 128 bytes. "i32[N]" is a struct of N ints passed by value,
@@ -28,8 +28,9 @@ def _kind(k: str):
     code, align = _KINDS[k]
     return code, align, _TMAP_BYTES if code is None else align
 
-# A launch that names a CUfunction of another context fails with one of these; we then make the function's
-# context current and retry, instead of querying the current context on every call.
+# A launch that names a CUfunction of another context fails with one of these. Ops make their arrays' device
+# current before launching (enter_device); a launch from elsewhere (benchmarks, tests) that meets one of these
+# retries once in the function's context.
 _WRONG_CONTEXT = {cu.CUresult.CUDA_ERROR_INVALID_CONTEXT, cu.CUresult.CUDA_ERROR_INVALID_HANDLE,
                   cu.CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED}
 
@@ -79,22 +80,24 @@ class Function:
     """A loaded kernel on one device."""
 
     def __init__(self, compiled: Compiled, device: int):
-        use_device(device)
         self.compiled = compiled
         self.device = device
-        self.module = check(cu.cuModuleLoadData(compiled.cubin))
-        self.handle = check(cu.cuModuleGetFunction(self.module, compiled.entry.encode()))
+        with device_context(device):  # (a module belongs to the context current when it is loaded)
+            self.module = check(cu.cuModuleLoadData(compiled.cubin))
+            self.handle = check(cu.cuModuleGetFunction(self.module, compiled.entry.encode()))
         self._smem_limit = 0
 
     def ensure_dynamic_smem(self, nbytes: int) -> None:
         if nbytes > self._smem_limit:
-            check(cu.cuFuncSetAttribute(
-                self.handle, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes))
+            with device_context(self.device):
+                check(cu.cuFuncSetAttribute(
+                    self.handle, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes))
             self._smem_limit = nbytes
 
     def attribute(self, name: str) -> int:
         a = getattr(cu.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name.upper()}")
-        return check(cu.cuFuncGetAttribute(a, self.handle))
+        with device_context(self.device):
+            return check(cu.cuFuncGetAttribute(a, self.handle))
 
 
 def load(compiled: Compiled, device: int = 0) -> Function:
@@ -182,8 +185,8 @@ class Launcher:
         cx = next((a.value.clusterDim.x for a in src.attrs
                    if a.id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION), 1)
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = cx * 1024, 1, 1
-        use_device(self._device)
-        return check(cu.cuOccupancyMaxActiveClusters(self._handle, cfg))
+        with device_context(self._device):
+            return check(cu.cuOccupancyMaxActiveClusters(self._handle, cfg))
 
     def __call__(self, grid, stream: int, *args) -> None:
         self.run(grid, stream, args)
@@ -204,10 +207,18 @@ class Launcher:
         err, = cu.cuLaunchKernelEx(cfg, self._handle, s.address, 0)
         if err:
             if err in _WRONG_CONTEXT:
-                use_device(self._device)
-                err, = cu.cuLaunchKernelEx(cfg, self._handle, s.address, 0)
+                with device_context(self._device):
+                    err, = cu.cuLaunchKernelEx(cfg, self._handle, s.address, 0)
             if err:
-                check((err,))
+                self._fail(err, stream)
+
+    def _fail(self, err, stream: int) -> None:
+        try:
+            check((err,))
+        except CudaError as e:
+            hint = (f" (the kernel runs on cuda:{self._device}: a stream given with stream= must belong to that "
+                    "device)" if err in _WRONG_CONTEXT and stream else "")
+            raise CudaError(f"launching {self.function.compiled.entry} on stream 0x{stream:x}: {e}{hint}") from None
 
     def _pack_args(self, s, args) -> None:
         s.args = None  # (a failed packing leaves the buffer half written: never skip the next one)

@@ -21,7 +21,7 @@ import threading
 
 from cuda.bindings import driver as cu
 
-from .driver import CudaError, check, stream_is_capturing, use_device
+from .driver import CudaError, check, device_context, stream_is_capturing
 
 _MIN_BYTES = 1 << 16
 
@@ -64,7 +64,8 @@ class ScratchPool:
         self._lock = threading.Lock()
 
     def acquire(self, device: int, stream: int, needs: tuple):
-        """Pointers for `needs`, a tuple of (slot, bytes, zeroed), on `stream`. A zeroed buffer must be left zero
+        """Pointers for `needs`, a tuple of (slot, bytes, zeroed), on `stream` (of `device`, whose context the
+        caller made current: stream 0 is that context's legacy default stream). A zeroed buffer must be left zero
         by its user."""
         if _destroyed:
             self._free_destroyed()
@@ -86,34 +87,35 @@ class ScratchPool:
                 return old
             size = max(nbytes, _MIN_BYTES, 2 * old.nbytes if old else 0)
             size += -size % 256
-            use_device(device)
-            ptr = int(check(cu.cuMemAllocAsync(size, stream)))
-            try:
-                if zeroed:
-                    check(cu.cuMemsetD32Async(ptr, 0, size // 4, stream))
-            except CudaError:
-                cu.cuMemFreeAsync(ptr, stream)
-                raise
+            with device_context(device):
+                ptr = int(check(cu.cuMemAllocAsync(size, stream)))
+                try:
+                    if zeroed:
+                        check(cu.cuMemsetD32Async(ptr, 0, size // 4, stream))
+                except CudaError:
+                    cu.cuMemFreeAsync(ptr, stream)
+                    raise
             self._buffers[key] = buf = _Buffer(ptr, size)
             if old is not None:
                 self._retired.append((device, old.ptr))
             return buf
 
     def _in_graph(self, device: int, stream: int, needs: tuple) -> list:
-        use_device(device)
         try:
-            _, capture_id, graph, *_ = check(cu.cuStreamGetCaptureInfo(stream))
-            capture_id = int(capture_id)
-            with self._lock:
-                entry = self._graphs.get(capture_id)
-                if entry is None:
-                    entry = self._adopt(device, stream, capture_id, graph)
-                ptrs = []
-                for slot, nbytes, zeroed in needs:
-                    buf = entry[1].get((stream, slot, zeroed))
-                    if buf is None or buf.nbytes < nbytes:  # (a smaller one stays: earlier nodes use it)
-                        buf = entry[1][(stream, slot, zeroed)] = self._graph_buffer(device, nbytes, zeroed, entry)
-                    ptrs.append(buf.ptr)
+            with device_context(device):  # (the capture's device; its allocations are made there)
+                _, capture_id, graph, *_ = check(cu.cuStreamGetCaptureInfo(stream))
+                capture_id = int(capture_id)
+                with self._lock:
+                    entry = self._graphs.get(capture_id)
+                    if entry is None:
+                        entry = self._adopt(device, stream, capture_id, graph)
+                    ptrs = []
+                    for slot, nbytes, zeroed in needs:
+                        buf = entry[1].get((stream, slot, zeroed))
+                        if buf is None or buf.nbytes < nbytes:  # (a smaller one stays: earlier nodes use it)
+                            buf = self._graph_buffer(device, nbytes, zeroed, entry)
+                            entry[1][(stream, slot, zeroed)] = buf
+                        ptrs.append(buf.ptr)
         except CudaError as e:
             raise CudaError(f"scratch memory ({', '.join(n[0] for n in needs)}) for the CUDA graph being captured "
                             f"on stream 0x{stream:x} could not be set up: {e}") from None
@@ -156,8 +158,7 @@ class ScratchPool:
                 if entry is not None:
                     dead.append(entry)
         for device, _, ptrs in dead:
-            use_device(device)
-            with _Relaxed():
+            with device_context(device), _Relaxed():
                 for p in ptrs:
                     check(cu.cuMemFree(p))
 
@@ -173,9 +174,9 @@ class ScratchPool:
             buffers = [(d, b.ptr) for (d, *_), b in self._buffers.items()] + self._retired
             self._buffers, self._retired = {}, []
         for device, ptr in buffers:
-            use_device(device)
-            check(cu.cuCtxSynchronize())
-            check(cu.cuMemFree(ptr))
+            with device_context(device):
+                check(cu.cuCtxSynchronize())
+                check(cu.cuMemFree(ptr))
 
 
 SCRATCH = ScratchPool()
