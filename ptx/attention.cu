@@ -30,7 +30,7 @@
 #include "common/epilogue.cuh"
 #include "common/pipeline.cuh"
 #include "common/scheduler.cuh"
-#include "common/wgmma_ops.cuh"
+#include "common/mma.cuh"
 
 #ifndef CAUSAL
 #define CAUSAL 0
@@ -163,16 +163,9 @@ struct AttnScheduler : PersistentUnits {
 };
 
 // ---- consumer pieces ---------------------------------------------------------------------------------------------
-// S = Q K^T for this consumer's 64 rows and the BN keys of a K stage (head-dim steps of 16: 32 bytes within a
-// 128-byte panel row, panels Q_PANEL / KV_PANEL apart).
+// S = Q K^T for this consumer's 64 rows and the BN keys of a K stage.
 __device__ __forceinline__ void issue_qk(float (&s)[S_ACC], const u8* q_rows, const u8* k_stage) {
-  const u64 dq = wgmma_desc_sw128(q_rows), dk = wgmma_desc_sw128(k_stage);
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const u64 step = 2 * (kk % 4);
-    Wgmma<WgIn, BN>::template mma<0>(s, dq + (kk / 4) * (Q_PANEL >> 4) + step,
-                                     dk + (kk / 4) * (KV_PANEL >> 4) + step, kk != 0);
-  }
+  mma_kmajor_panels<WgIn, BN, D, Q_PANEL, KV_PANEL>(s, q_rows, k_stage);
 }
 
 // O += P V: P from registers (16 keys a step), V MN-major in panels of 64 head-dim columns (leading byte offset one

@@ -31,7 +31,7 @@
 #include "common/epilogue.cuh"
 #include "common/pipeline.cuh"
 #include "common/scheduler.cuh"
-#include "common/wgmma_ops.cuh"
+#include "common/mma.cuh"
 
 #ifndef CAUSAL
 #define CAUSAL 0
@@ -203,15 +203,9 @@ struct BwdScheduler : PersistentUnits {
 
 // ---- consumer pieces ---------------------------------------------------------------------------------------------
 // acc = A B^T for this consumer's 64 rows of a K or V block (A) and a Q or dO tile (B), both K-major over the head
-// dim (head-dim steps of 16: 32 bytes within a panel row, panels KV_PANEL / Q_PANEL apart).
+// dim.
 __device__ __forceinline__ void issue_t(float (&acc)[ACC_T], const u8* kv_rows, const u8* tile) {
-  const u64 da = wgmma_desc_sw128(kv_rows), db = wgmma_desc_sw128(tile);
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const u64 step = 2 * (kk % 4);
-    Wgmma<WgIn, BM>::template mma<0>(acc, da + (kk / 4) * (KV_PANEL >> 4) + step,
-                                     db + (kk / 4) * (Q_PANEL >> 4) + step, kk != 0);
-  }
+  mma_kmajor_panels<WgIn, BM, D, KV_PANEL, Q_PANEL>(acc, kv_rows, tile);
 }
 
 // acc += A tile: A (P^T or dS^T) from registers, the tile (dO or Q) MN-major over the head dim, 16 query rows of
