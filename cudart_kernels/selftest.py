@@ -159,26 +159,32 @@ def grouped_fp8_cases():
             for kind in ("contiguous", "masked", "wgrad")]
 
 
-def _attention_case(rng, d, causal, varlen):
-    from .ops.attention import attention
-    from .reference import attention as ref_attention
+def _attention_inputs(rng, d, varlen):
+    """Random bf16 q, k, v and dO (host arrays, GQA 8 / 2), the call's varlen keyword arguments and the host
+    cu_seqlens (None, None when batched): 2 sequences of 257 queries and 1000 keys, or 4 packed sequences with an
+    empty and a length-1 one."""
     import ml_dtypes
 
     def rand(shape):
         return rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
 
-    if varlen:
-        lens_q, lens_k = [0, 1, 300, 129], [5, 1, 400, 129]
-        cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-        ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
-        q, k, v = rand((cq[-1], 8, d)), rand((ck[-1], 2, d)), rand((ck[-1], 2, d))
-        kw = dict(cu_seqlens_q=DeviceArray.from_numpy(cq), cu_seqlens_k=DeviceArray.from_numpy(ck),
-                  max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
-        ref_o, ref_lse = ref_attention(q, k, v, causal, None, cq, ck)
-    else:
-        q, k, v = rand((2, 257, 8, d)), rand((2, 1000, 2, d)), rand((2, 1000, 2, d))
-        kw = {}
-        ref_o, ref_lse = ref_attention(q, k, v, causal)
+    if not varlen:
+        return rand((2, 257, 8, d)), rand((2, 1000, 2, d)), rand((2, 1000, 2, d)), rand((2, 257, 8, d)), {}, \
+            (None, None)
+    lens_q, lens_k = [0, 1, 300, 129], [5, 1, 400, 129]
+    cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    kw = dict(cu_seqlens_q=DeviceArray.from_numpy(cq), cu_seqlens_k=DeviceArray.from_numpy(ck),
+              max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    return rand((cq[-1], 8, d)), rand((ck[-1], 2, d)), rand((ck[-1], 2, d)), rand((cq[-1], 8, d)), kw, (cq, ck)
+
+
+def _attention_case(rng, d, causal, varlen):
+    from .ops.attention import attention
+    from .reference import attention as ref_attention
+
+    q, k, v, _, kw, cu = _attention_inputs(rng, d, varlen)
+    ref_o, ref_lse = ref_attention(q, k, v, causal, None, *cu)
     out = DeviceArray.empty(q.shape, "bfloat16").fill_bytes(0xFF)
     _, lse = attention(DeviceArray.from_numpy(q), DeviceArray.from_numpy(k), DeviceArray.from_numpy(v),
                        causal=causal, out=out, return_lse=True, **kw)
@@ -201,23 +207,9 @@ def _attention_bwd_case(rng, d, causal, varlen, deterministic):
     from .ops.attention import attention
     from .ops.attention_bwd import attention_backward
     from .reference import attention_backward as ref_backward
-    import ml_dtypes
 
-    def rand(shape):
-        return rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
-
-    if varlen:
-        lens_q, lens_k = [0, 1, 300, 129], [5, 1, 400, 129]
-        cq = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
-        ck = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
-        q, k, v, do = rand((cq[-1], 8, d)), rand((ck[-1], 2, d)), rand((ck[-1], 2, d)), rand((cq[-1], 8, d))
-        kw = dict(cu_seqlens_q=DeviceArray.from_numpy(cq), cu_seqlens_k=DeviceArray.from_numpy(ck),
-                  max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
-        want = ref_backward(do, q, k, v, causal, None, cq, ck)
-    else:
-        q, k, v, do = rand((2, 257, 8, d)), rand((2, 1000, 2, d)), rand((2, 1000, 2, d)), rand((2, 257, 8, d))
-        kw = {}
-        want = ref_backward(do, q, k, v, causal)
+    q, k, v, do, kw, cu = _attention_inputs(rng, d, varlen)
+    want = ref_backward(do, q, k, v, causal, None, *cu)
     qd, kd, vd = (DeviceArray.from_numpy(x) for x in (q, k, v))
     out, lse = attention(qd, kd, vd, causal=causal, return_lse=True, **kw)
     grads = [DeviceArray.empty(x.shape, "bfloat16").fill_bytes(0xFF) for x in (q, k, v)]
