@@ -284,12 +284,17 @@ def test_plans_per_device(fake_driver, recorder):
     assert [dev for dev, _, _ in recorder.launches] == [0, 1, 0, 1]
 
 
-def test_launchers_and_modules_per_device(fake_driver, monkeypatch):
+@pytest.fixture
+def fake_compile(monkeypatch):
+    """Empty launcher and module caches, and a compiler that returns one stand-in cubin for any kernel."""
     monkeypatch.setattr(launch, "_launchers", {})
     monkeypatch.setattr(launch, "_functions", {})
     monkeypatch.setattr(driver, "target_arch", lambda device=0: "sm_90a")
     compiled = types.SimpleNamespace(key="cubin-key", entry="kernel", cubin=b"")
     monkeypatch.setattr(compiler, "compile_kernel", lambda source, entry, defines, arch: compiled)
+
+
+def test_launchers_and_modules_per_device(fake_driver, fake_compile):
     fake_driver.current = CTX[0]
 
     def get(device):
@@ -306,12 +311,7 @@ def test_launchers_and_modules_per_device(fake_driver, monkeypatch):
     assert fake_driver.current == CTX[0]
 
 
-def test_launch_error_names_the_device_and_stream(fake_driver, monkeypatch):
-    monkeypatch.setattr(launch, "_launchers", {})
-    monkeypatch.setattr(launch, "_functions", {})
-    monkeypatch.setattr(driver, "target_arch", lambda device=0: "sm_90a")
-    compiled = types.SimpleNamespace(key="cubin-key", entry="kernel", cubin=b"")
-    monkeypatch.setattr(compiler, "compile_kernel", lambda source, entry, defines, arch: compiled)
+def test_launch_error_names_the_device_and_stream(fake_driver, fake_compile):
     fake_driver.current, fake_driver.fail_launch = CTX[1], True
     lau = launch.get_launcher("gemm.cu", "kernel", {}, 1, ("ptr",), (128,))
     with pytest.raises(ck.CudaError, match="launching kernel on stream 0x77: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"):
