@@ -126,13 +126,10 @@ struct AttnScheduler : PersistentUnits {
   __device__ __forceinline__ AttnUnit unit(int u) const {
     AttnUnit t;
     if (CAUSAL) {
-      const int per_chunk = head_group * m_blocks;
-      const int chunk = u / per_chunk, r = u - chunk * per_chunk;
-      const int first = chunk * head_group, size = min(head_group, heads * batch - first);
-      t.mb = m_blocks - 1 - r / size;
-      const int bh = first + r % size;
-      t.b = bh / heads;
-      t.h = bh % heads;
+      const ChunkedUnit cu = chunked_unit(u, m_blocks, head_group, heads * batch);
+      t.mb = m_blocks - 1 - cu.block;
+      t.b = cu.pair / heads;
+      t.h = cu.pair % heads;
     } else {       // a head's query blocks together: they read the same K and V
       t.mb = u % m_blocks;
       const int rest = u / m_blocks;

@@ -166,13 +166,10 @@ struct BwdScheduler : PersistentUnits {
   __device__ __forceinline__ BwdUnit unit(int u) const {
     BwdUnit t;
     if (CAUSAL) {
-      const int per_chunk = head_group * n_blocks;
-      const int chunk = u / per_chunk, r = u - chunk * per_chunk;
-      const int first = chunk * head_group, size = min(head_group, heads_q * batch - first);
-      t.n = r / size;
-      const int bh = first + r % size;
-      t.hq = bh % heads_q;
-      t.b = bh / heads_q;
+      const ChunkedUnit cu = chunked_unit(u, n_blocks, head_group, heads_q * batch);
+      t.n = cu.block;
+      t.hq = cu.pair % heads_q;
+      t.b = cu.pair / heads_q;
     } else {
       t.n = u % n_blocks;
       const int rest = u / n_blocks;

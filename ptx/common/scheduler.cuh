@@ -19,6 +19,20 @@ struct PersistentUnits {
   __device__ __forceinline__ bool one_wave() const { return count <= step; }
 };
 
+// Units in chunks of `group` (batch, head) pairs out of `pairs`: within a chunk block by block, the chunk's pairs
+// side by side (attention's causal order: the chunk's heads share L2, its longest blocks go first).
+struct ChunkedUnit {
+  int block;  // the unit's block rank within its chunk's walk (0 first)
+  int pair;   // its (batch, head) pair
+};
+
+__device__ __forceinline__ ChunkedUnit chunked_unit(int u, int blocks, int group, int pairs) {
+  const int per_chunk = group * blocks;
+  const int chunk = u / per_chunk, r = u - chunk * per_chunk;
+  const int first = chunk * group, size = min(group, pairs - first);
+  return {r / size, first + r % size};
+}
+
 // Layouts of a GEMM's operands (a kernel's LAYOUT define; `info` is a device int array).
 #define LAYOUT_NORMAL 0      // one GEMM
 #define LAYOUT_CONTIGUOUS 1  // MoE prefill: A's rows are the groups' rows back to back, info[m] the group of row m
