@@ -324,8 +324,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
             args = plan.memo.add(ptrs, _args(plan, *ptrs))
         plan.launch.run(plan.grid, h, args)
     finally:
-        if caller is not None:
-            leave_device(caller)
+        leave_device(caller)
     return _result(native, ov, lv, out, lse, return_lse)
 
 

@@ -275,8 +275,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     try:
         _launch(plan, dims, h, (dov, qv, kv, vv, ov, lv, cq, ck, dqv, dkv, dvv))
     finally:
-        if caller is not None:
-            leave_device(caller)
+        leave_device(caller)
     return _result(native, (dqv, dkv, dvv), (dq, dk, dv))
 
 

@@ -540,6 +540,5 @@ def gemm(a, b, out=None, c=None, *, b_layout: str = "nk", split_k=None, determin
             w_ptr = ptrs[0] if plan.epi == "EPI_SPLIT" else 0
             plan.launch.run(plan.grid, h, _args(plan, av.ptr, bv.ptr, dv.ptr, c_ptr, ld_c, w_ptr, ptrs[-1]))
     finally:
-        if caller is not None:
-            leave_device(caller)
+        leave_device(caller)
     return native.result(dv) if out is None else out

@@ -510,8 +510,7 @@ def _launch(plan, h, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr, ks=None):
             sb_mmajor = 0
         plan.launch.run(plan.grid, h, _args(plan, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor))
     finally:
-        if caller is not None:
-            leave_device(caller)
+        leave_device(caller)
 
 
 def _args(plan, a_ptr, sa_mmajor, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor=0) -> tuple:

@@ -131,8 +131,7 @@ def _run(kind, name, x, out, out_scales, stream, layout="rowmajor", tuning=None)
         try:
             launch(grid, h, xv.ptr, args[0], qv.ptr, args[1], sv.ptr, *args[2:])
         finally:
-            if caller is not None:
-                leave_device(caller)
+            leave_device(caller)
     return (native.result(qv) if out is None else out), (native.result(sv) if out_scales is None else out_scales)
 
 
