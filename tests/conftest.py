@@ -13,6 +13,11 @@ HAS_GPU = gpu_available()
 
 
 def pytest_collection_modifyitems(config, items):
+    shard = os.environ.get("CK_TEST_SHARD")  # "k/n": run every n-th test from the k-th (scripts/gpu_check.sh)
+    if shard:
+        k, n = map(int, shard.split("/"))
+        config.hook.pytest_deselected(items=[t for i, t in enumerate(items) if i % n != k])
+        items[:] = items[k::n]
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="no CUDA device")
