@@ -19,6 +19,9 @@
 //   consumers take turns issuing GEMMs: they run half a tile apart, one's softmax under the other's GEMMs.
 // Head dim 256 (SPLIT_D) splits the head dim between the consumers instead of the keys (see SPLIT_D below).
 // GQA: each query head has its units; dK and dV are added into fp32 sums in the epilogue.
+// The grid's last wave (not causal, varlen or deterministic): the host may split the last units into parts over
+// their query tiles (BwdScheduler), so that the CTAs finish together; the parts of a unit add dK and dV into fp32
+// sums, which attention_bwd_split_kv (attention_bwd_prep.cu) stores after the grid.
 // Masks: keys past the sequence (their K rows may belong to the next packed sequence) and, causal, keys right of
 // the diagonal (bottom-right aligned: query i sees key j <= i + S_k - S_q) get P = 0; query tiles wholly above the
 // diagonal are never visited. Query rows past the sequence get P = 0 through their LSE (+inf, from the prep
@@ -42,6 +45,7 @@
 #ifndef DETERMINISTIC
 #define DETERMINISTIC 0
 #endif
+constexpr bool CAN_SPLIT = !CAUSAL && !VARLEN && !DETERMINISTIC;  // units split over query tiles (the last wave)
 
 typedef Wg16<IN_KIND>::type WgIn;
 
@@ -132,6 +136,7 @@ struct BwdUnit {
   int sq, sk;             // the sequence's query and key lengths
   int m_begin, m_end;     // query tiles that see a key of the block
   int stat0;              // the sequence's first row in the LSE / dPsum rows (attention_bwd_prep.cu)
+  int split;              // a split unit's index among them (its parts share dK and dV sums), else -1
   bool skip;              // the key block lies past the sequence
 };
 
@@ -146,25 +151,39 @@ __device__ __forceinline__ int first_tile(int n, int sq, int sk) {
 // chunk key block by key block, longest first across the chunk's heads, so that the grid ends on short units (head
 // by head, the last head's first block started when little other work was left). GQA: the query heads of a kv head
 // each have their units (as many as without GQA, the same L2 footprint), whose dK and dV are summed in fp32 (the
-// epilogue). A CTA starts with unit blockIdx.x and takes the next from a global counter when its producer is ready
-// for one (the long-first order balances itself); the producer hands each index to the consumers and the dQ
-// writer through a two-slot ring in shared memory. The last CTA to finish sets the counter back to zero. In
+// epilogue). A CTA starts with unit blockIdx.x and takes the next from a global counter when its producer has
+// issued the current one's loads (the long-first order balances itself); the producer hands each index to the
+// consumers and the dQ writer through a two-slot ring in shared memory. The last CTA to finish sets the counter back to zero. In
 // DETERMINISTIC mode this order matters too: the units an addition waits for (earlier key blocks of the head for
 // dQ, earlier query heads of the group for dK and dV) were handed out before it, to CTAs that are running.
+// CAN_SPLIT: the units from split_from on come as split_parts parts each (adjacent indices, so the parts of a unit
+// run side by side), part p taking the p-th share of the unit's query tiles.
 struct BwdScheduler : PersistentUnits {
-  int n_blocks, heads_q, batch, group, seqlen_q, seqlen_k, s_pad, head_group;
+  int n_blocks, heads_q, batch, group, seqlen_q, seqlen_k, s_pad, head_group, split_from, split_parts;
   const int* cu_q;
   const int* cu_k;
 
   __device__ __forceinline__ BwdScheduler(int heads_q_, int group_, int batch_, int seqlen_q_, int seqlen_k_,
-                                          int head_group_, const int* cu_q_, const int* cu_k_)
-      : PersistentUnits((seqlen_k_ + BN - 1) / BN * heads_q_ * batch_, 1), n_blocks((seqlen_k_ + BN - 1) / BN),
-        heads_q(heads_q_), batch(batch_), group(group_), seqlen_q(seqlen_q_), seqlen_k(seqlen_k_),
-        s_pad((seqlen_q_ + STAT_PAD - 1) / STAT_PAD * STAT_PAD), head_group(head_group_), cu_q(cu_q_),
-        cu_k(cu_k_) {}
+                                          int head_group_, int split_from_, int split_parts_, const int* cu_q_,
+                                          const int* cu_k_)
+      : PersistentUnits((seqlen_k_ + BN - 1) / BN * heads_q_ * batch_ +
+                            (CAN_SPLIT ? ((seqlen_k_ + BN - 1) / BN * heads_q_ * batch_ - split_from_) *
+                                             (split_parts_ - 1)
+                                       : 0),
+                        1),
+        n_blocks((seqlen_k_ + BN - 1) / BN), heads_q(heads_q_), batch(batch_), group(group_), seqlen_q(seqlen_q_),
+        seqlen_k(seqlen_k_), s_pad((seqlen_q_ + STAT_PAD - 1) / STAT_PAD * STAT_PAD), head_group(head_group_),
+        split_from(split_from_), split_parts(split_parts_), cu_q(cu_q_), cu_k(cu_k_) {}
 
   __device__ __forceinline__ BwdUnit unit(int u) const {
     BwdUnit t;
+    int part = 0;
+    t.split = -1;
+    if (CAN_SPLIT && u >= split_from) {
+      t.split = (u - split_from) / split_parts;
+      part = u - split_from - t.split * split_parts;
+      u = split_from + t.split;
+    }
     if (CAUSAL) {
       const ChunkedUnit cu = chunked_unit(u, n_blocks, head_group, heads_q * batch);
       t.n = cu.block;
@@ -194,6 +213,11 @@ struct BwdScheduler : PersistentUnits {
     t.skip = t.n * BN >= t.sk;
     t.m_end = t.skip ? 0 : (t.sq + BM - 1) / BM;
     t.m_begin = min(first_tile(t.n, t.sq, t.sk), t.m_end);
+    if (CAN_SPLIT && t.split >= 0) {
+      const int span = t.m_end - t.m_begin, begin = t.m_begin;
+      t.m_begin = begin + part * span / split_parts;
+      t.m_end = begin + (part + 1) * span / split_parts;
+    }
     return t;
   }
 };
@@ -323,17 +347,20 @@ __device__ __forceinline__ u32 bar_arrivals(int i) {
 // swizzled. dk_out / dv_out with element strides (row, head): the outputs for varlen row-by-row stores.
 // tm_stats: the prep kernel's LSE (base 2) rows then dPsum rows, (stat rows, 2 x query heads) fp32 with boxes
 // {BM, 1}. cu_q / cu_k: varlen offsets. seqlen_q / seqlen_k: the lengths (varlen: the longest). group: query heads
-// per kv head. head_group: (sequence, query head) pairs per causal chunk (BwdScheduler). scale_log2: softmax scale
+// per kv head. head_group: (sequence, query head) pairs per causal chunk (BwdScheduler). split_from, split_parts:
+// the split units (BwdScheduler; split_from = the unit count: none). scale_log2: softmax scale
 // * log2(e); scale: the softmax scale (dK). unit_counter: two ints, zero between launches; semaphores
-// (DETERMINISTIC): an int per (sequence, query head, query tile), zero between launches.
+// (DETERMINISTIC): an int per (sequence, query head, query tile), zero between launches. split_acc: a split unit's
+// fp32 dK and dV sums (BN x D each), zero before the launch.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     const __grid_constant__ CUtensorMap_st tm_q, const __grid_constant__ CUtensorMap_st tm_k,
     const __grid_constant__ CUtensorMap_st tm_v, const __grid_constant__ CUtensorMap_st tm_do,
     const __grid_constant__ CUtensorMap_st tm_dq, const __grid_constant__ CUtensorMap_st tm_dk,
     const __grid_constant__ CUtensorMap_st tm_dv, const __grid_constant__ CUtensorMap_st tm_stats, void* dk_out,
     void* dv_out, i64 dk_row, i64 dk_head, i64 dv_row, i64 dv_head, const int* cu_q, const int* cu_k, int seqlen_q,
-    int seqlen_k, int heads_q, int batch, int group, int head_group, float scale_log2, float scale, float* dq_acc,
-    float* dk_acc, float* dv_acc, int* unit_counter, int* semaphores, int* kv_semaphores) {
+    int seqlen_k, int heads_q, int batch, int group, int head_group, int split_from, int split_parts,
+    float scale_log2, float scale, float* dq_acc, float* dk_acc, float* dv_acc, int* unit_counter, int* semaphores,
+    int* kv_semaphores, float* split_acc) {
   const int wg = warpgroup_index();
   if (threadIdx.x == 0) {
     u8* smem = smem_aligned_1024();
@@ -354,22 +381,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     regs_decrease<PRODUCER_REGS>();
     const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
     if (warp == 0) {  // ---- producer: the warp walks the units (its values warp-uniform), lane 0 issues ----
-      const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, head_group, cu_q, cu_k);
+      const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, head_group, split_from, split_parts, cu_q,
+                                cu_k);
       const bool leader = lane == 0;
       Pipe st;
       for (int k = 0, u = sched.first;; ++k) {
         const BwdShared sh;
         u8* smem = sh.base;
         mbar_wait(&sh.unit_empty[k & 1], ((k >> 1) & 1) ^ 1);
-        int next = 0;
         if (leader) {
           sh.unit_slot[k & 1] = u;
           mbar_arrive(&sh.unit_full[k & 1]);
-          if (sched.more(u)) next = sched.step + atomicAdd(unit_counter, 1);
         }
         if (!sched.more(u)) break;
         const BwdUnit t = sched.unit(u);
-        u = warp_uniform(next);
         // every unit takes a phase of the K / V barriers (one past its sequence loads nothing)
         mbar_wait(sh.kv_empty, (k & 1) ^ 1);
         if (leader && t.skip) mbar_arrive(sh.kv_full);
@@ -414,6 +439,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
             st.advance();
           }
         }
+        // the next unit, taken once this one's loads are issued (STAGES tiles before its end: the grid's last units
+        // go to the CTAs that finish first)
+        int next = 0;
+        if (leader) next = sched.step + atomicAdd(unit_counter, 1);
+        u = warp_uniform(next);
       }
       if (leader) {  // the last CTA out resets the counters (every CTA has taken its last index before it counts)
         fence_acq_rel_gpu();
@@ -424,7 +454,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         pdl_launch_dependents();
       }
     } else if (warp == 1) {  // ---- dQ writer: adds each tile's partial into the accumulator ----
-      const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, head_group, cu_q, cu_k);
+      const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, head_group, split_from, split_parts, cu_q,
+                                cu_k);
       for (int k = 0, u = sched.first;; ++k) {
         const BwdShared sh;  // (derived afresh, as in the producer)
         u8* smem = sh.base;
@@ -481,7 +512,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
   regs_increase<CONSUMER_REGS>();
   const BwdShared sh;
   const int tid = threadIdx.x % 128, warp = tid / 32, lane = tid % 32;
-  const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, head_group, cu_q, cu_k);
+  const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, head_group, split_from, split_parts, cu_q,
+                           cu_k);
+
   u8* smem = sh.base;
   const int c = wg - 1;
   const int frag_row = warp * 16 + lane / 4;  // the thread's first key row within the consumer's 64
@@ -763,12 +796,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       if (tid == 0) bulk_wait_read<0>();
       named_barrier(BAR_WG + c, 128);
     };
-    if (group == 1) {
+    const bool split_part = CAN_SPLIT && group == 1 && te.split >= 0;  // (GQA: the group's sums, as any unit)
+    if (group == 1 && !split_part) {
       store(dk, &tm_dk, dk_out, dk_row, dk_head);
       store(dv, &tm_dv, dv_out, dv_row, dv_head);
       continue;
     }
-    // GQA: added into the fp32 accumulators [rows_k, H_kv, D] (DETERMINISTIC: the group's query heads in order)
+    // Added into fp32 sums: GQA, the group's [rows_k, H_kv, D] accumulators (DETERMINISTIC: the group's query heads
+    // in order); a split unit's part, the unit's BN x D pair (attention_bwd_split_kv stores them after the grid).
     int* sem = kv_semaphores + (i64(te.b) * (heads_q / group) + te.hkv) * sched.n_blocks + te.n;
     const int g = te.hq % group;
     if (DETERMINISTIC) {
@@ -778,15 +813,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       }
       named_barrier(BAR_CONSUMERS, CONSUMER_THREADS);
     }
-    const i64 acc_row0 = i64(VARLEN ? te.k_off : te.b * seqlen_k) + row0 + frag_row;
+    float* k_sum;
+    float* v_sum;
+    i64 row_step;
+    if (split_part) {
+      k_sum = split_acc + i64(te.split) * (2 * BN * D) + i64(row0 - te.n * BN + frag_row) * D + col0 + frag_col;
+      v_sum = k_sum + BN * D;
+      row_step = D;
+    } else {
+      const i64 at = ((i64(VARLEN ? te.k_off : te.b * seqlen_k) + row0 + frag_row) * (heads_q / group) + te.hkv) * D +
+                     col0 + frag_col;
+      k_sum = dk_acc + at;
+      v_sum = dv_acc + at;
+      row_step = i64(heads_q / group) * D;
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (row0 + frag_row + 8 * h < te.sk) {
-        const i64 base = ((acc_row0 + 8 * h) * (heads_q / group) + te.hkv) * D + col0 + frag_col;
 #pragma unroll
         for (int i = 0; i < ACC_KV / 4; ++i) {
-          red_add_f32x2(dk_acc + base + 8 * i, dk[4 * i + 2 * h], dk[4 * i + 2 * h + 1]);
-          red_add_f32x2(dv_acc + base + 8 * i, dv[4 * i + 2 * h], dv[4 * i + 2 * h + 1]);
+          red_add_f32x2(k_sum + 8 * h * row_step + 8 * i, dk[4 * i + 2 * h], dk[4 * i + 2 * h + 1]);
+          red_add_f32x2(v_sum + 8 * h * row_step + 8 * i, dv[4 * i + 2 * h], dv[4 * i + 2 * h + 1]);
         }
       }
     }

@@ -5,6 +5,7 @@
 //   written: rows past the sequence, and rows that saw no key in the forward (LSE -inf), get LSE +inf (so P = 0)
 //   and dPsum 0.
 // - attention_bwd_dq: dQ = accumulator * softmax scale, to 16 bits.
+// - attention_bwd_split_kv (one CTA per split unit, dK or dV, and 64 keys): the split units' dK and dV, below.
 // Stats rows: a head's rows are `stat_head` floats; sequence b starts at b * S_pad (batched, S_pad = S_q rounded up
 // to STAT_PAD) or at (q_off & ~3) + 2 STAT_PAD b (varlen: 16-byte aligned for TMA, and never reaching the next
 // sequence's rows however a tile of up to STAT_PAD rows rounds). Rows up to the sequence's length rounded up to
@@ -124,6 +125,34 @@ extern "C" __global__ void __launch_bounds__(256) attention_bwd_dq(const float* 
     *reinterpret_cast<u32x4*>(out + col) =
         u32x4{pack_f32x2<IN_KIND>(a.x * scale, a.y * scale), pack_f32x2<IN_KIND>(a.z * scale, a.w * scale),
               pack_f32x2<IN_KIND>(b.x * scale, b.y * scale), pack_f32x2<IN_KIND>(b.z * scale, b.w * scale)};
+  }
+  pdl_launch_dependents();
+}
+
+// attention_bwd_split_kv: dK and dV of the main kernel's split units (batched, not causal: unit u = split_from +
+// blockIdx.x is key block u % n_blocks of head (u / n_blocks) % heads of sequence u / (n_blocks heads)), from their
+// fp32 sums [unit][dK, dV][BN][D] to 16 bits (blockIdx.y: dK or dV); the sums cleared for the next launch.
+// dk, dv: element strides row, head, batch.
+extern "C" __global__ void __launch_bounds__(256) attention_bwd_split_kv(
+    float* sums, void* dk, i64 dk_row, i64 dk_head, i64 dk_batch, void* dv, i64 dv_row, i64 dv_head, i64 dv_batch,
+    int split_from, int n_blocks, int heads, int seqlen_k, int bn) {
+  pdl_wait();
+  const int u = split_from + blockIdx.x, n = u % n_blocks, h = u / n_blocks % heads, b = u / n_blocks / heads;
+  const int row = blockIdx.z * ROWS + threadIdx.x / 4, part = threadIdx.x % 4, key = n * bn + row;
+  if (row < bn) {
+    float* acc = sums + (i64(blockIdx.x) * 2 + blockIdx.y) * bn * D + i64(row) * D;
+    u16* out = blockIdx.y ? reinterpret_cast<u16*>(dv) + b * dv_batch + key * dv_row + h * dv_head
+                          : reinterpret_cast<u16*>(dk) + b * dk_batch + key * dk_row + h * dk_head;
+#pragma unroll
+    for (int v = 0; v < VECS; ++v) {
+      const int col = (v * 4 + part) * 8;
+      const f32x4 a = *reinterpret_cast<const f32x4*>(acc + col), c = *reinterpret_cast<const f32x4*>(acc + col + 4);
+      if (key < seqlen_k)
+        *reinterpret_cast<u32x4*>(out + col) = u32x4{pack_f32x2<IN_KIND>(a.x, a.y), pack_f32x2<IN_KIND>(a.z, a.w),
+                                                     pack_f32x2<IN_KIND>(c.x, c.y), pack_f32x2<IN_KIND>(c.z, c.w)};
+      *reinterpret_cast<u32x4*>(acc + col) = u32x4{0, 0, 0, 0};
+      *reinterpret_cast<u32x4*>(acc + col + 4) = u32x4{0, 0, 0, 0};
+    }
   }
   pdl_launch_dependents();
 }

@@ -98,3 +98,26 @@ def test_causal_head_group_fits_l2_budget():
     assert group(1, 8, 65536, 256) == 1  # never below one head
     assert group(1, 2, 128, 64) == 2     # never more than the heads there are
     assert bwd.causal_head_group(Dims(1, 4, 4, 128, 4096, 4096, False), bwd.AttnBwdTuning(causal_l2_bytes=0)) == 1
+
+
+def test_tail_split_evens_out_the_last_wave():
+    whole = lambda tiles: tiles + bwd.TUNING.unit_overhead_tiles  # noqa: E731
+    # 2048 units of 64 tiles on 132 CTAs: 15.5 rounds, the last half-full; splitting the last units ends sooner
+    split, parts = bwd.tail_split(2048, 132, 64)
+    assert split > 0 and parts > 1
+    costs = [(p + 1) * 64 // parts - p * 64 // parts + 2 for p in range(parts)]
+    assert bwd._tail_end(2048 - split, costs * split, 132, whole(64)) < 0.99 * 16 * whole(64)
+    # a single small wave: parts spread it over more CTAs
+    split, parts = bwd.tail_split(32, 132, 16)
+    assert (split, parts) != (0, 1)
+    # full rounds, or one-tile units: nothing to gain
+    assert bwd.tail_split(264, 132, 64) == (0, 1)
+    assert bwd.tail_split(100, 132, 1) == (0, 1)
+    assert bwd.tail_split(0, 132, 8) == (0, 1)
+
+
+def test_tail_end_models_rounds_then_greedy():
+    assert bwd._tail_end(4, [], 2, 10.0) == 20.0
+    assert bwd._tail_end(3, [], 2, 10.0) == 20.0
+    assert bwd._tail_end(3, [4.0, 4.0], 2, 10.0) == 20.0  # the CTA with one unit takes both parts
+    assert bwd._tail_end(2, [6.0, 6.0, 6.0], 2, 10.0) == 22.0

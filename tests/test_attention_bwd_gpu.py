@@ -120,3 +120,19 @@ def test_deterministic_is_bitwise_repeatable(rng, varlen):
     for _ in range(4):
         for a, b in zip(first, case.backward(deterministic=True)):
             np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+@pytest.mark.parametrize("d", bwd.HEAD_DIMS)
+@pytest.mark.parametrize("hkv", [4, 1])
+def test_split_units(rng, d, hkv):
+    """Units of the grid's last wave split over their query tiles (this shape's few units spread over more CTAs):
+    the parts' dK and dV sums, through the conversion kernel or the GQA sums, against the reference; twice (the split
+    sums are left zero for the next call)."""
+    from cudart_kernels.runtime.driver import device_properties
+
+    cfg = bwd.pick_config(d)
+    s = 1000
+    assert bwd.tail_split(-(-s // cfg.bn) * 4, device_properties(0).sm_count, -(-s // cfg.bm))[0] > 0
+    case = Case(rng, (1, s, 4, d), (1, s, hkv, d), False)
+    for _ in range(2):
+        case.check(case.backward())

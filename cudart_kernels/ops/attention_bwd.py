@@ -12,6 +12,7 @@ This module validates every call before any launch, picks the config, builds the
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
@@ -31,10 +32,11 @@ HEAD_DIMS = (64, 128, 256)
 ROWS_PREP = 64  # query rows a CTA of the row kernels (ptx/attention_bwd_prep.cu)
 STAT_PAD = 128  # the LSE / dPsum rows' padding (both kernels)
 _MAIN_ARGS = ("tmap",) * 8 + ("ptr", "ptr", "i64", "i64", "i64", "i64", "ptr", "ptr", "i32", "i32", "i32", "i32",
-                              "i32", "i32", "f32", "f32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr")
+                              "i32", "i32", "i32", "i32", "f32", "f32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr")
 _PREP_ARGS = ("ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "ptr", "i64", "ptr", "ptr",
               "i32")
 _DQ_ARGS = ("ptr", "ptr", "i64", "i64", "i64", "ptr", "i32", "f32")
+_SPLIT_KV_ARGS = ("ptr",) + ("ptr", "i64", "i64", "i64") * 2 + ("i32",) * 5
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,12 @@ class AttnBwdTuning:
     tiles: tuple = ((64, (128, 128, 2)), (128, (64, 128, 2)), (256, (64, 64, 2)))
     # causal units run in chunks of (sequence, query head) pairs whose Q, dO and fp32 dQ sums take about this much L2
     causal_l2_bytes: int = 32 << 20
+    # the grid's last wave (not causal, varlen or deterministic): split the last units over their query tiles into
+    # as many parts as evens out the CTAs' work (tail_split), each unit costing its tiles plus this many for its
+    # K / V load and epilogue, a part this many more for its share of the fp32 dK / dV sums
+    tail_split: bool = True
+    unit_overhead_tiles: float = 1.0
+    part_overhead_tiles: float = 1.0
     pdl: bool = True
 
 
@@ -89,7 +97,7 @@ def _row_defines(dtype, d: int, varlen: bool) -> dict:
 
 def variants():
     """Every kernel variant: each head dim, causal or not, batched or varlen, deterministic or not, bf16; fp16 at
-    head dim 128; the row kernels for each."""
+    head dim 128; the row kernels for each (the split units' dK / dV conversion: batched)."""
     out = []
     for d in HEAD_DIMS:
         cfg = pick_config(d)
@@ -99,7 +107,7 @@ def variants():
                     for det in (False, True):
                         out.append(("attention_bwd.cu", "attention_bwd_kernel",
                                     _main_defines(dtype, cfg, causal, varlen, det), cfg.smem))
-                for entry in ("attention_bwd_prep", "attention_bwd_dq"):
+                for entry in ("attention_bwd_prep", "attention_bwd_dq") + (() if varlen else ("attention_bwd_split_kv",)):
                     out.append(("attention_bwd_prep.cu", entry, _row_defines(dtype, d, varlen), 0))
     return out
 
@@ -172,6 +180,8 @@ class _Plan:
     run_rows: bool
     kv_acc_floats: int  # GQA: the fp32 dK (and dV) accumulator's size, else 0
     kv_grid: tuple      # (the dK / dV conversion's grid)
+    split_kv: object    # the split units' dK / dV conversion (None: no split units, or GQA)
+    split_grid: tuple
     memo: ArgsMemo = field(default_factory=ArgsMemo, compare=False, repr=False)
 
 
@@ -189,7 +199,12 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
                         pdl=tuning.pdl)
     n_blocks = -(-dims.seqlen_k // cfg.bn)
     units = n_blocks * dims.heads_q * dims.batch
-    grid = (max(1, min(units, device_properties(dev).sm_count)), 1, 1)
+    m_blocks = -(-dims.seqlen_q // cfg.bm)
+    ctas = device_properties(dev).sm_count
+    split_units, parts = (0, 1)
+    if tuning.tail_split and not (causal or dims.varlen or deterministic):
+        split_units, parts = tail_split(units, ctas, m_blocks, tuning)
+    grid = (max(1, min(units + split_units * (parts - 1), ctas)), 1, 1)
     m_prep = -(-dims.seqlen_q // STAT_PAD) * (STAT_PAD // ROWS_PREP)  # (the stats rows up to the padding)
     row_grid = (max(1, m_prep), dims.heads_q, dims.batch)
     rows_q = qv.shape[0] if dims.varlen else dims.batch * dims.seqlen_q
@@ -200,8 +215,7 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
             MapLayout(dt.float32, (stat_head, 2 * dims.heads_q), (stat_head * 4,), (cfg.bm, 1), 0))
     group = dims.heads_q // dims.heads_kv
     scalars = (dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.batch, group, causal_head_group(dims, tuning),
-               scale * math.log2(math.e), scale)
-    m_blocks = -(-dims.seqlen_q // cfg.bm)
+               units - split_units, parts, scale * math.log2(math.e), scale)
     scratch = (("attn_bwd_dq", max(rows_q, 1) * dims.heads_q * dims.head_dim * 4, False),
                ("attn_bwd_stats", 2 * dims.heads_q * stat_head * 4, False),
                ("attention_units", 8, True))
@@ -209,6 +223,12 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
     kv_acc_floats = rows_k * dims.heads_kv * dims.head_dim if group > 1 else 0
     if group > 1:  # GQA: dK and dV summed over the group in fp32, then converted
         scratch += (("attn_bwd_dkv", 2 * max(kv_acc_floats, 1) * 4, False),)
+    split_kv, split_grid = None, ()
+    if split_units and group == 1:  # (GQA: the split units' parts add into the group's sums as any unit)
+        scratch += (("attn_bwd_split", split_units * 2 * cfg.bn * dims.head_dim * 4, True),)
+        split_kv = get_launcher("attention_bwd_prep.cu", "attention_bwd_split_kv", row_defs, dev, _SPLIT_KV_ARGS,
+                                (256,), 0, pdl=tuning.pdl)
+        split_grid = (split_units, 2, -(-cfg.bn // ROWS_PREP))
     if deterministic:
         # (an int per query tile; head dim 256: per tile and consumer)
         scratch += (("attn_bwd_order", dims.batch * dims.heads_q * m_blocks * 4 * (2 if dims.head_dim == 256 else 1),
@@ -217,7 +237,39 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
     kv_grid = (max(1, -(-dims.seqlen_k // ROWS_PREP)), dims.heads_kv, dims.batch)
     return _Plan(cfg, main, prep, post, grid, row_grid, maps, scalars, scratch, stat_head,
                  run_main=units > 0, run_rows=m_prep > 0 and dims.batch > 0, kv_acc_floats=kv_acc_floats,
-                 kv_grid=kv_grid)
+                 kv_grid=kv_grid, split_kv=split_kv, split_grid=split_grid)
+
+
+def tail_split(units: int, ctas: int, tiles: int, tuning: AttnBwdTuning = TUNING) -> tuple:
+    """(split units, parts): the last `split units` of `units` equal units (`tiles` query tiles each) come as `parts`
+    parts each, where that ends the grid of `ctas` CTAs at least 1% sooner; else (0, 1)."""
+    if units == 0 or tiles < 2:
+        return 0, 1
+    whole = tiles + tuning.unit_overhead_tiles
+    best, choice = -(-units // ctas) * whole, (0, 1)
+    for parts in (2, 3, 4):
+        if parts > tiles:
+            break
+        costs = [(p + 1) * tiles // parts - p * tiles // parts + tuning.unit_overhead_tiles + tuning.part_overhead_tiles
+                 for p in range(parts)]
+        most = min(units, 2 * ctas)
+        for split in sorted({*range(max(1, ctas // 8), most + 1, max(1, ctas // 8)), most}):
+            end = _tail_end(units - split, costs * split, ctas, whole)
+            if end < 0.99 * best:
+                best, choice = end, (split, parts)
+    return choice
+
+
+def _tail_end(n_whole: int, tail: list, ctas: int, whole: float) -> float:
+    """When the last CTA finishes: `n_whole` units of cost `whole` run in rounds, then each of the `tail` costs (in
+    order) goes to the CTA that finishes first (the kernel's CTAs take their next unit near the end of the current
+    one)."""
+    rounds, rest = divmod(n_whole, ctas)
+    free = [(rounds + (i < rest)) * whole for i in range(ctas)]
+    heapq.heapify(free)
+    for cost in tail:
+        heapq.heappush(free, heapq.heappop(free) + cost)
+    return max(free)
 
 
 def causal_head_group(dims: Dims, tuning: AttnBwdTuning = TUNING) -> int:
@@ -287,17 +339,19 @@ def _launch(plan: _Plan, dims: Dims, h: int, arrays) -> None:
     ptrs = (dov.ptr, qv.ptr, kv.ptr, vv.ptr, ov.ptr, lv.ptr, 0 if cq is None else cq.ptr,
             0 if ck is None else ck.ptr, dqv.ptr, dkv.ptr, dvv.ptr, scratch["attn_bwd_dq"], scratch["attn_bwd_stats"],
             scratch["attention_units"], scratch.get("attn_bwd_order", 0), scratch.get("attn_bwd_kv_order", 0),
-            dkv_acc, dkv_acc + 4 * plan.kv_acc_floats if dkv_acc else 0)
+            dkv_acc, dkv_acc + 4 * plan.kv_acc_floats if dkv_acc else 0, scratch.get("attn_bwd_split", 0))
     args = plan.memo.get(ptrs)
     if args is None:
         args = plan.memo.add(ptrs, _args(plan, dims, (dov, qv, ov, lv, dqv, dkv, dvv), ptrs))
-    prep_args, main_args, post_args, kv_post_args = args
+    prep_args, main_args, post_args, kv_post_args, split_args = args
     if plan.run_rows:
         plan.prep.run(plan.row_grid, h, prep_args)
     if plan.run_main:
         if plan.kv_acc_floats:
             check(cu.cuMemsetD32Async(dkv_acc, 0, 2 * plan.kv_acc_floats, h))
         plan.main.run(plan.grid, h, main_args)
+        if plan.split_kv is not None:
+            plan.split_kv.run(plan.split_grid, h, split_args)
         for a in kv_post_args:
             plan.post.run(plan.kv_grid, h, a)
     if plan.run_rows:
@@ -312,7 +366,7 @@ def _result(native, views, given) -> tuple:
 def _args(plan: _Plan, dims: Dims, arrays, ptrs) -> tuple:
     dov, qv, ov, lv, dqv, dkv, dvv = arrays
     do_p, q_p, k_p, v_p, o_p, lse_p, cq_p, ck_p, dq_p, dk_p, dv_p, acc, stats, counter, order, kv_order, dk_acc, \
-        dv_acc = ptrs
+        dv_acc, split = ptrs
     maps = sm90.thread_maps()
     m_q, m_k, m_v, m_do, m_acc, m_dk, m_dv, m_stats = plan.maps
     lse_b, lse_h = (0, lv.strides[0]) if dims.varlen else (lv.strides[0], lv.strides[1])
@@ -323,10 +377,13 @@ def _args(plan: _Plan, dims: Dims, arrays, ptrs) -> tuple:
     kv_post = ((dk_acc, dk_p, *_strides(dkv, dims.varlen), ck_p, dims.seqlen_k, 1.0),
                (dv_acc, dv_p, *_strides(dvv, dims.varlen), ck_p, dims.seqlen_k, 1.0)) if plan.kv_acc_floats else ()
     if not plan.run_main:
-        return prep, None, post, kv_post
+        return prep, None, post, kv_post, None
     dk_row, dk_head, _ = _strides(dkv, dims.varlen)
     dv_row, dv_head, _ = _strides(dvv, dims.varlen)
     main = (maps.get(m_q, q_p), maps.get(m_k, k_p), maps.get(m_v, v_p), maps.get(m_do, do_p), maps.get(m_acc, acc),
             maps.get(m_dk, dk_p), maps.get(m_dv, dv_p), maps.get(m_stats, stats), dk_p, dv_p, dk_row, dk_head,
-            dv_row, dv_head, cq_p, ck_p, *plan.scalars, acc, dk_acc, dv_acc, counter, order, kv_order)
-    return prep, main, post, kv_post
+            dv_row, dv_head, cq_p, ck_p, *plan.scalars, acc, dk_acc, dv_acc, counter, order, kv_order, split)
+    seqlen_k, heads_q, split_from = plan.scalars[1], plan.scalars[2], plan.scalars[6]
+    split_kv = (split, dk_p, *_strides(dkv, False), dv_p, *_strides(dvv, False), split_from,
+                -(-seqlen_k // plan.cfg.bn), heads_q, seqlen_k, plan.cfg.bn) if plan.split_kv is not None else None
+    return prep, main, post, kv_post, split_kv
