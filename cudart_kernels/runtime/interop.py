@@ -423,18 +423,22 @@ def _views(objs, stream: int, on_torch_stream: bool) -> list:
     if "torch" not in sys.modules:
         return [x if x is None or type(x) is DeviceArray else as_array(x, stream) for x in objs]
     tensor, table, raw_stream = (_torch or _torch_support())[:3]
-    views, device = [], None
+    views, device, devices = [], None, set()
     for x in objs:
-        if x is None or type(x) is DeviceArray:
+        if x is None:
             pass
+        elif type(x) is DeviceArray:
+            devices.add(x.device)
         elif isinstance(x, tensor):
             x = _torch_view(x, stream, table)
             if device is None:
                 device = x.device
+            devices.add(x.device)
         else:
             x = as_array(x, stream)
+            devices.add(x.device)
         views.append(x)
-    if device is not None and not on_torch_stream and all(v is None or v.device == device for v in views):
+    if device is not None and not on_torch_stream and len(devices) == 1:
         producer = raw_stream(device)
         if producer != stream:
             _order(producer, stream, device)
