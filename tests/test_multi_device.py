@@ -33,6 +33,8 @@ class FakeDriver:
         ptrs = itertools.count(0x7D00_0000_0000, 1 << 20)
         monkeypatch.setattr(driver, "_device_problem", lambda device: None if device in CTX else "no such device")
         monkeypatch.setattr(driver, "_context_handles", {})
+        monkeypatch.setattr(driver, "_one_gpu", [False])  # two devices (test_one_gpu_* set it to one)
+        monkeypatch.setattr(driver, "_thread", threading.local())
         monkeypatch.setattr(driver, "primary_context", lambda device: cu.CUcontext(CTX[device]))
         monkeypatch.setattr(driver, "_primary_context_handle", lambda device: CTX[device])
 
@@ -53,8 +55,12 @@ class FakeDriver:
                 return (cu.CUresult.CUDA_ERROR_INVALID_HANDLE,)
             return (cu.CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES,) if self.fail_launch else (OK,)
 
+        def get_current():
+            self.log.append(("cuCtxGetCurrent", self.current))
+            return OK, cu.CUcontext(self.current)
+
         fakes = {
-            "cuCtxGetCurrent": lambda: (OK, cu.CUcontext(self.current)),
+            "cuCtxGetCurrent": get_current,
             "cuCtxSetCurrent": set_current,
             "cuModuleLoadData": served("cuModuleLoadData", lambda cubin: ("module", self.current)),
             "cuModuleGetFunction": served("cuModuleGetFunction", lambda module, name: ("function", self.current)),
@@ -445,3 +451,51 @@ def test_same_device_names_both_arrays():
         interop.same_device(a=a, b=b)
     with pytest.raises(ValueError, match="array 1 is on cuda:1 but array 0 is on cuda:0"):
         interop.same_device(a, b)
+
+
+# ---- one GPU: a thread asks for the current context once -----------------------------------------------------------
+
+def test_one_gpu_thread_asks_once(fake_driver, recorder, monkeypatch):
+    monkeypatch.setattr(driver, "_one_gpu", [True])
+    fake_driver.current = 0  # a fresh thread: no context
+    a, b, d = _gemm_arrays(0)
+    for _ in range(3):
+        ck.gemm(a, b, out=d)
+    assert len(fake_driver.calls("cuCtxGetCurrent")) == 1  # the first call made the primary context current
+    assert fake_driver.calls("cuCtxSetCurrent") == [CTX[0]] and fake_driver.current == CTX[0]
+    assert [launch[2] for launch in recorder.launches] == [CTX[0]] * 3
+
+    seen = []  # another thread asks once for itself
+    t = threading.Thread(target=lambda: (ck.gemm(a, b, out=d), seen.append(fake_driver.current)))
+    t.start()
+    t.join()
+    assert seen == [CTX[0]] and len(fake_driver.calls("cuCtxGetCurrent")) == 2
+
+
+def test_one_gpu_caller_context_is_restored_and_asked_again(fake_driver, recorder, monkeypatch):
+    """A caller working in a context of its own (not the primary one) gets it back after each op; such a thread is
+    never taken as settled, so every op asks."""
+    monkeypatch.setattr(driver, "_one_gpu", [True])
+    own = 0xC0FF
+    fake_driver.current = own
+    a, b, d = _gemm_arrays(0)
+    for _ in range(2):
+        ck.gemm(a, b, out=d)
+        assert recorder.launches[-1][2] == CTX[0] and fake_driver.current == own
+    assert len(fake_driver.calls("cuCtxGetCurrent")) == 2
+
+
+def test_one_gpu_launch_in_a_foreign_context_retries_in_the_primary(fake_driver, fake_compile, monkeypatch):
+    """A settled thread that switched to a context of its own afterwards: enter_device no longer asks, the launch
+    fails in that context and is retried in the primary one, and the caller's context is current again."""
+    monkeypatch.setattr(driver, "_one_gpu", [True])
+    fake_driver.current = CTX[0]
+    launcher = launch.get_launcher("gemm.cu", "kernel", {"X": 1}, 0, ("ptr",), (128,), smem=1024)
+    assert driver.enter_device(0) is None  # (settles the thread)
+    asked = len(fake_driver.calls("cuCtxGetCurrent"))
+    own = 0xC0FF
+    fake_driver.current = own
+    assert driver.enter_device(0) is None and len(fake_driver.calls("cuCtxGetCurrent")) == asked  # no query
+    launcher.run((1, 1, 1), 0, (0x1000,))
+    assert fake_driver.calls("cuLaunchKernelEx") == [own, CTX[0]]  # (the foreign context first, then the retry)
+    assert fake_driver.current == own

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from ..runtime import dtypes as dt
 from cuda.bindings import driver as cu
 
-from ..runtime.driver import check, device_properties, enter_device, leave_device
+from ..runtime.driver import check, device_context, device_properties, enter_device, leave_device
 from ..runtime.interop import DeviceArray, call_arrays, require, same_device
 from ..runtime.launch import ArgsMemo, get_launcher
 from ..runtime.plans import PLANS
@@ -348,7 +348,9 @@ def _launch(plan: _Plan, dims: Dims, h: int, arrays) -> None:
         plan.prep.run(plan.row_grid, h, prep_args)
     if plan.run_main:
         if plan.kv_acc_floats:
-            check(cu.cuMemsetD32Async(dkv_acc, 0, 2 * plan.kv_acc_floats, h))
+            if cu.cuMemsetD32Async(dkv_acc, 0, 2 * plan.kv_acc_floats, h)[0]:  # (a caller's own context: again in ours)
+                with device_context(qv.device):
+                    check(cu.cuMemsetD32Async(dkv_acc, 0, 2 * plan.kv_acc_floats, h))
         plan.main.run(plan.grid, h, main_args)
         if plan.split_kv is not None:
             plan.split_kv.run(plan.split_grid, h, split_args)

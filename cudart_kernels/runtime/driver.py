@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from dataclasses import dataclass
 
 from cuda.bindings import driver as cu
@@ -98,23 +99,41 @@ def require_device(device: int) -> None:
 
 # Per device: its primary context's handle, once the device has been checked (a hit is one dict read).
 _context_handles: dict = {}
+# With one GPU in the process, a thread that has had its primary context current at an op keeps it: only the
+# caller's own contexts (cuCtxCreate, green contexts) could take its place, and a launch or memset in such a
+# context fails and is retried in the primary one (device_context). Such threads skip the per-call query.
+_one_gpu: list = []  # [True or False] once known
+_thread = threading.local()
 
 
 def enter_device(device: int):
     """Make `device`'s primary context (the one torch, cupy and jax use) current on this thread for the driver
     calls that follow. Returns the context that was current before when it was another one, for `leave_device`
-    to make current again, else None. A thread with no current context keeps the device's. Every call asks the
-    driver which context is current (a thread-local read): torch.cuda.set_device and friends change it behind our
-    back, so no copy of it is kept."""
+    to make current again, else None. A thread with no current context keeps the device's. With several GPUs
+    every call asks the driver which context is current (a thread-local read): torch.cuda.set_device and friends
+    change it behind our back, so no copy of it is kept; with one, a thread asks once (_one_gpu)."""
+    if _one_gpu and _one_gpu[0] and getattr(_thread, "settled", False) and device in _context_handles:
+        return None
+    return _switch_to(device)
+
+
+def _switch_to(device: int):
+    """enter_device without the one-GPU shortcut."""
     want = _context_handles.get(device)
     if want is None:
         require_device(device)
         want = _context_handles[device] = _primary_context_handle(device)
+        if not _one_gpu:
+            _one_gpu.append(device_count() == 1)
     current = cu.cuCtxGetCurrent()[1]
-    if current is not None and int(current) == want:
-        return None
-    check(cu.cuCtxSetCurrent(primary_context(device)))
-    return current if current is not None and int(current) else None
+    previous = current if current is not None and int(current) else None
+    if previous is not None and int(previous) == want:
+        previous = None
+    else:
+        check(cu.cuCtxSetCurrent(primary_context(device)))
+    if previous is None and _one_gpu[0]:
+        _thread.settled = True  # (the primary context stays current after the op)
+    return previous
 
 
 def leave_device(previous) -> None:
@@ -134,7 +153,7 @@ class device_context:
         self.device = device
 
     def __enter__(self):
-        self.previous = enter_device(self.device)
+        self.previous = _switch_to(self.device)
         return self
 
     def __exit__(self, *exc):
@@ -144,7 +163,7 @@ class device_context:
 def use_device(device: int) -> None:
     """Make `device`'s primary context current on this thread and leave it current (scripts and benchmarks; the
     library's own calls restore the caller's context); NoDeviceError first when it cannot run these kernels."""
-    enter_device(device)
+    _switch_to(device)
 
 
 @dataclass(frozen=True)

@@ -638,10 +638,11 @@ def call_arrays(objs, stream) -> list:
     The first torch / cupy / jax array among `objs` decides the framework. `stream=None` is that framework's
     current stream for torch and cupy (on that array's device), the legacy default stream otherwise; any other
     `stream` is taken as given (`stream_handle`)."""
-    native, first = DEVICE_RESULTS, None
+    native, first, plain = DEVICE_RESULTS, None, True
     for x in objs:
         if x is None or type(x) is DeviceArray:
             continue
+        plain = False
         results = _NATIVE.get(type(x)) or native_of(type(x))
         if results is not DEVICE_RESULTS:
             native, first = results, x
@@ -652,7 +653,7 @@ def call_arrays(objs, stream) -> list:
         h = stream
     else:
         h = stream_handle(stream)
-    views = _views(objs, h, stream is None and native is TORCH_RESULTS)
+    views = list(objs) if plain else _views(objs, h, stream is None and native is TORCH_RESULTS)
     views.append(h)
     views.append(native)
     return views
