@@ -96,3 +96,62 @@ def test_cluster_and_pdl_launches(probe, cluster, pdl):
     lau((4, 1, 1), 0, 5, 6, 7.0, out.ptr, tm, 8)
     got = out.numpy()
     assert got[0] == 5 and got[1] == 6 and got[3] == 8 and got[20] == 4001001
+
+
+def _own_context(device: int):
+    """A context of the caller's own on `device` (cuCtxCreate), made current; the bindings of CUDA 12 and 13 differ."""
+    from cuda.bindings import driver as cu
+
+    dev = driver.check(cu.cuDeviceGet(device))
+    try:
+        return driver.check(cu.cuCtxCreate(None, 0, dev))
+    except TypeError:
+        return driver.check(cu.cuCtxCreate(0, dev))
+
+
+def test_ops_beside_a_callers_own_context():
+    """A thread that works in a context of its own on the op's GPU: the op runs in the primary context (its kernels
+    and the arrays' memory live there) and gives the caller's context back, before and after the thread has run an
+    op in the primary context (with one GPU such a thread no longer asks which context is current: the launch fails
+    in the caller's context and is retried in the primary one). Checked on a fresh thread, results against numpy."""
+    import threading
+
+    import cudart_kernels as ck
+    from cuda.bindings import driver as cu
+
+    rng = np.random.default_rng()
+    a_h = rng.standard_normal((128, 256)).astype(np.float32)
+    b_h = rng.standard_normal((192, 256)).astype(np.float32)
+    errors = []
+
+    def work():
+        try:
+            import ml_dtypes
+
+            a16, b16 = a_h.astype(ml_dtypes.bfloat16), b_h.astype(ml_dtypes.bfloat16)
+            ref = a16.astype(np.float64) @ b16.astype(np.float64).T
+            a, b = DeviceArray.from_numpy(a16), DeviceArray.from_numpy(b16)
+
+            def check_gemm():
+                d = ck.gemm(a, b, out_dtype="float32")
+                assert np.abs(d.numpy() - ref).max() < 1e-2 * np.abs(ref).max()
+
+            own = _own_context(0)  # before any op on this thread
+            try:
+                check_gemm()
+                assert int(driver.check(cu.cuCtxGetCurrent())) == int(own)
+                driver.check(cu.cuCtxSetCurrent(driver.primary_context(0)))
+                check_gemm()  # in the primary context: the thread is now settled (one GPU)
+                driver.check(cu.cuCtxSetCurrent(own))
+                check_gemm()  # the caller's own context again
+                assert int(driver.check(cu.cuCtxGetCurrent())) == int(own)
+            finally:
+                driver.check(cu.cuCtxSetCurrent(driver.primary_context(0)))
+                driver.check(cu.cuCtxDestroy(own))
+        except Exception as e:  # reported on the main thread
+            errors.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert not errors, errors[0]
