@@ -26,6 +26,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def capture_graph(torch, run):
+    """Warm `run()` up on a side stream (plans, kernels, scratch), as torch.cuda.graph asks, then capture it on the
+    current device: (the graph, what the captured `run()` returned)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = run()
+    return g, out
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng()  # fresh random data every run

@@ -7,6 +7,7 @@ import pytest
 
 import cudart_kernels as ck
 from cudart_kernels import reference as ref
+from conftest import capture_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -26,15 +27,7 @@ def _rel(got, want):
 def _capture_and_replay(torch, run, refill, check, replays=2):
     """Warm `run(stream)` on a side stream, capture it with torch.cuda.graph, then `replays` times: new inputs
     (`refill`), poison and replay, `check`."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run(side)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run(torch.cuda.current_stream())
+    g, _ = capture_graph(torch, lambda: run(torch.cuda.current_stream()))
     for _ in range(replays):
         refill()
         g.replay()

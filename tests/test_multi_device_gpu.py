@@ -15,6 +15,7 @@ from cudart_kernels.ops.quantize import mmajor_stride
 from cudart_kernels.runtime.driver import device_count, primary_context, use_device
 from cudart_kernels.runtime.interop import DeviceArray
 from cudart_kernels.runtime.scratch import SCRATCH
+from conftest import capture_graph
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(device_count() < 2, reason="needs two GPUs")]
 
@@ -348,15 +349,7 @@ def test_graph_capture_on_device_1():
 
     before = SCRATCH.graph_captures()
     with torch.cuda.device(dev):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            run()
+        g, _ = capture_graph(torch, run)
     assert torch.cuda.current_device() == 0
     new = SCRATCH.graph_captures() - before
     assert new and all(SCRATCH._graphs[c][0] == dev for c in new)  # the split-K scratch lives on device 1

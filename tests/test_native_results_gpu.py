@@ -16,6 +16,7 @@ from cudart_kernels.runtime import dtypes as dt
 from cudart_kernels.runtime import interop
 from cudart_kernels.runtime.interop import DeviceArray
 from cudart_kernels.runtime.launch import Launcher
+from conftest import capture_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -344,15 +345,7 @@ def test_torch_graph_capture_without_out(rng):
         xq, xs = ck.quantize_fp8_per_token(x)
         return ck.gemm(a, b), ck.gemm_fp8(xq, xs, wq, ws)
 
-    side = torch.cuda.Stream()  # warm-up (plans, kernels) on a side stream, as torch.cuda.graph asks
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        d, d8 = run()
+    g, (d, d8) = capture_graph(torch, run)
     assert isinstance(d, torch.Tensor) and isinstance(d8, torch.Tensor)
     qw_h, sw_h = _np(wq), _np(ws)
     for _ in range(2):
