@@ -1,7 +1,7 @@
 """Host cost of the same op calls in two versions of the library, in ONE process (GPU machine, torch):
 
-    python scripts/host_ab.py BASE_DIR       # BASE_DIR holds another version's cudart_kernels/ package
-    (e.g. git archive 6ba4fe3 cudart_kernels | tar -x -C /tmp/base, then: python scripts/host_ab.py /tmp/base)
+    python scripts/host_ab.py BASE_DIR       # BASE_DIR holds another version's cudart_kernels/ and ptx/
+    (e.g. git archive 6ba4fe3 cudart_kernels ptx | tar -x -C /tmp/base, then: python scripts/host_ab.py /tmp/base)
 
 The base package is imported as cudart_kernels_base beside this tree's cudart_kernels, and the two are timed in
 interleaved batches of 200 calls (median over 60 batches a side), so that what moves a whole process on a shared
@@ -25,6 +25,7 @@ def load_base(base_dir: str):
     """The base package under another name (its imports within the package are relative)."""
     tmp = tempfile.mkdtemp()
     shutil.copytree(os.path.join(base_dir, "cudart_kernels"), os.path.join(tmp, "cudart_kernels_base"))
+    shutil.copytree(os.path.join(base_dir, "ptx"), os.path.join(tmp, "ptx"))  # the base's kernels, found beside it
     sys.path.insert(0, tmp)
     return importlib.import_module("cudart_kernels_base")
 

@@ -112,7 +112,7 @@ def enter_device(device: int):
     to make current again, else None. A thread with no current context keeps the device's. With several GPUs
     every call asks the driver which context is current (a thread-local read): torch.cuda.set_device and friends
     change it behind our back, so no copy of it is kept; with one, a thread asks once (_one_gpu)."""
-    if _one_gpu and _one_gpu[0] and getattr(_thread, "settled", False) and device in _context_handles:
+    if getattr(_thread, "settled", False):  # (set only with one GPU, after its context handle was cached)
         return None
     return _switch_to(device)
 

@@ -647,6 +647,10 @@ def call_arrays(objs, stream) -> list:
         if results is not DEVICE_RESULTS:
             native, first = results, x
             break
+    if native is TORCH_RESULTS:
+        views = _torch_call(objs, first, stream)
+        if views is not None:
+            return views
     if stream is None:
         h = 0 if first is None else native.current_stream(first)
     elif type(stream) is int and stream >= 0:
@@ -656,6 +660,43 @@ def call_arrays(objs, stream) -> list:
     views = list(objs) if plain else _views(objs, h, stream is None and native is TORCH_RESULTS)
     views.append(h)
     views.append(native)
+    return views
+
+
+def _torch_call(objs, first, stream):
+    """call_arrays for a call of torch tensors (DeviceArrays and None beside them), in one pass with the fewest
+    tensor attribute reads (each is a call into torch): None when another kind of array is among them."""
+    tensor, table, raw_stream = (_torch or _torch_support())[:3]
+    device = first.get_device()
+    if device < 0:
+        raise HostArrayError(f"expected a CUDA tensor, got one on {first.device}; move it to the GPU first")
+    if stream is None:
+        h = raw_stream(device)
+    else:
+        h = stream if type(stream) is int and stream >= 0 else stream_handle(stream)
+    views, mixed = [], False
+    for x in objs:
+        if x is not None and type(x) is not DeviceArray:
+            if not isinstance(x, tensor):
+                return None
+            d = x.get_device()
+            if d != device:
+                if d < 0:
+                    raise HostArrayError(f"expected a CUDA tensor, got one on {x.device}; move it to the GPU first")
+                mixed = True  # (the op's validation names the two arrays)
+            dtype = table.get(x.dtype)
+            if dtype is None:
+                raise TypeError(f"unsupported dtype {x.dtype}")
+            x = _make(x.data_ptr(), x.shape, x.stride(), dtype, d, h, x)  # (torch.Size is a tuple)
+        elif x is not None and x.device != device:
+            mixed = True
+        views.append(x)
+    if stream is not None and not mixed:  # torch's __dlpack__(stream) ordering: the op waits for torch's stream
+        producer = raw_stream(device)
+        if producer != h:
+            _order(producer, h, device)
+    views.append(h)
+    views.append(TORCH_RESULTS)
     return views
 
 
