@@ -72,7 +72,7 @@ constexpr int DS_BUFS = 2;  // (SPLIT_D: one a consumer)
 constexpr int DQ_BOX = 64 * 128;      // 64 rows by 32 fp32 columns of the dQ partial
 constexpr int DQ_TILE = SPLIT_D ? 0 : BM * D * 4;
 constexpr u32 Q_TX = BM * D * 2 + BM * 4;  // a tile and its LSE (or dPsum) row
-constexpr u32 KV_TX = 2 * BN * D * 2;
+constexpr u32 KV_TX = BN * D * 2;  // K, or V, of a unit
 constexpr int ACC_T = BM / 2;        // S^T, dP^T: m64nBM per warpgroup
 constexpr int ACC_KV = KV_COLS / 2;  // dK, dV: m64nKV_COLS
 // dQ = dS K: BM 64 splits the head dim between the consumers (m64n(D / 2) each), BM 128 the rows (m64nD each)
@@ -92,8 +92,11 @@ static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS *
 
 // Shared memory (1024-byte aligned base): K | V | Q stages | dO stages | dS^T x 2 (SPLIT_D: and the dQ rows'
 // staging, both within the epilogue's staging) | dQ partial | LSE stages | dPsum stages | barriers.
+// K of the next unit loads into the other K buffer while this unit runs, V once this unit's last dP^T has read it
+// (head dim 256: no room for a second K buffer)
+constexpr int K_BUFS = SPLIT_D ? 1 : 2;
 constexpr int SMEM_K = 0;
-constexpr int SMEM_V = SMEM_K + KV_TILE;
+constexpr int SMEM_V = SMEM_K + K_BUFS * KV_TILE;
 constexpr int SMEM_Q = SMEM_V + KV_TILE;
 constexpr int SMEM_DO = SMEM_Q + STAGES * Q_STAGE;
 constexpr int SMEM_DS = SMEM_DO + STAGES * Q_STAGE;
@@ -102,9 +105,10 @@ constexpr int SMEM_DQ = SMEM_DS + (SPLIT_D ? CONSUMERS * KV_COLS * 128 : DS_BUFS
 constexpr int SMEM_LSE = SMEM_DQ + DQ_TILE;
 constexpr int SMEM_DPSUM = SMEM_LSE + STAGES * BM * 4;
 constexpr int SMEM_BARS = SMEM_DPSUM + STAGES * BM * 4;
-// Q ring (2 x STAGES), dO ring (2 x STAGES), K/V full and empty, unit full [2] and empty [2], dS full [2] and empty
-// [2], the unit indices [2]
-constexpr int SMEM_BYTES = SMEM_BARS + (4 * STAGES + 10) * 8 + 8;
+// Q ring (2 x STAGES), dO ring (2 x STAGES), K full [2] and empty [2], V full and empty, unit full [2] and empty
+// [2], dS full [2] and empty [2], the unit indices [2]
+constexpr int BARS = 4 * STAGES + 14;
+constexpr int SMEM_BYTES = SMEM_BARS + BARS * 8 + 8;
 static_assert(SMEM_BYTES + 1024 <= 227 * 1024, "shared memory beyond an SM90 CTA's opt-in limit");
 
 // The epilogue stages a consumer's dK (then dV) in 64-row panels of 64 columns: in its rows of the dS^T tiles, or
@@ -318,8 +322,10 @@ __device__ __forceinline__ void store_fragments(u8* rows, const u32 (&f)[Q_STEPS
 struct BwdShared {
   u8* base;
   Ring q_ring, do_ring;
-  u64* kv_full;
-  u64* kv_empty;
+  u64* k_full;   // [2]: K buffer b loaded
+  u64* k_empty;  // [2]: K buffer b read by every wgmma of its unit
+  u64* v_full;
+  u64* v_empty;  // the unit's last dP^T has read V
   u64* unit_full;
   u64* unit_empty;
   u64* ds_full;   // [2]: a dS^T tile written by both consumers
@@ -328,19 +334,19 @@ struct BwdShared {
 
   __device__ __forceinline__ BwdShared()
       : base(opaque(smem_aligned_1024())), q_ring(base + SMEM_BARS), do_ring(base + SMEM_BARS + 2 * STAGES * 8),
-        kv_full(reinterpret_cast<u64*>(base + SMEM_BARS + 4 * STAGES * 8)), kv_empty(kv_full + 1),
-        unit_full(kv_full + 2), unit_empty(kv_full + 4), ds_full(kv_full + 6), ds_empty(kv_full + 8),
-        unit_slot(reinterpret_cast<volatile int*>(kv_full + 10)) {}
+        k_full(reinterpret_cast<u64*>(base + SMEM_BARS + 4 * STAGES * 8)), k_empty(k_full + 2), v_full(k_full + 4),
+        v_empty(k_full + 5), unit_full(k_full + 6), unit_empty(k_full + 8), ds_full(k_full + 10),
+        ds_empty(k_full + 12), unit_slot(reinterpret_cast<volatile int*>(k_full + 14)) {}
 };
 
 // Arrival counts of the barriers at SMEM_BARS: the Q and dO rings (full: the producer; empty: every consumer warp),
-// K / V full and empty, the unit slots' full (the producer) and empty (every consumer warp and the dQ writer), the
-// dS^T tiles' full and empty (every consumer warp).
+// K [2] and V full (the producer) and empty (every consumer warp), the unit slots' full (the producer) and empty
+// (every consumer warp and the dQ writer), the dS^T tiles' full and empty (every consumer warp).
 __device__ __forceinline__ u32 bar_arrivals(int i) {
   constexpr u32 CONSUMER_WARPS = CONSUMERS * 4;
   if (i < 4 * STAGES) return (i / STAGES) % 2 == 0 ? 1 : CONSUMER_WARPS;
   i -= 4 * STAGES;
-  return i == 0 || i == 2 || i == 3 ? 1 : i == 4 || i == 5 ? CONSUMER_WARPS + 1 : CONSUMER_WARPS;
+  return i < 2 || i == 4 || i == 6 || i == 7 ? 1 : i == 8 || i == 9 ? CONSUMER_WARPS + 1 : CONSUMER_WARPS;
 }
 
 // tm_q, tm_do: (head dim, rows, heads, batch) maps with boxes {64, BM, 1, 1}; tm_k, tm_v: boxes {64, BN, 1, 1};
@@ -372,7 +378,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     tma_prefetch_map(&tm_dq);
     tma_prefetch_map(&tm_stats);
     u64* bars = reinterpret_cast<u64*>(smem + SMEM_BARS);
-    for (int i = 0; i < 4 * STAGES + 10; ++i) mbar_init(&bars[i], bar_arrivals(i));
+    for (int i = 0; i < BARS; ++i) mbar_init(&bars[i], bar_arrivals(i));
     fence_barrier_init();
   }
   __syncthreads();
@@ -396,17 +402,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         }
         if (!sched.more(u)) break;
         const BwdUnit t = sched.unit(u);
-        // every unit takes a phase of the K / V barriers (one past its sequence loads nothing)
-        mbar_wait(sh.kv_empty, (k & 1) ^ 1);
-        if (leader && t.skip) mbar_arrive(sh.kv_full);
-        if (leader && !t.skip) {
-          mbar_arrive_expect_tx(sh.kv_full, KV_TX);
+        // K into its buffer (free since the unit K_BUFS back), then V once the previous unit's last dP^T has read
+        // it; every unit takes a phase of each barrier (one past its sequence loads nothing)
+        const int kb = k % K_BUFS;
+        mbar_wait(&sh.k_empty[kb], ((k / K_BUFS) & 1) ^ 1);
+        if (leader) {
+          if (t.skip) {
+            mbar_arrive(&sh.k_full[kb]);
+          } else {
+            mbar_arrive_expect_tx(&sh.k_full[kb], KV_TX);
 #pragma unroll
-          for (int p = 0; p < PANELS; ++p) {
-            tma_load_4d(smem + SMEM_K + p * KV_PANEL, &tm_k, sh.kv_full, p * PANEL_COLS, t.k_off + t.n * BN, t.hkv,
-                        t.map_b);
-            tma_load_4d(smem + SMEM_V + p * KV_PANEL, &tm_v, sh.kv_full, p * PANEL_COLS, t.k_off + t.n * BN, t.hkv,
-                        t.map_b);
+            for (int p = 0; p < PANELS; ++p)
+              tma_load_4d(smem + SMEM_K + kb * KV_TILE + p * KV_PANEL, &tm_k, &sh.k_full[kb], p * PANEL_COLS,
+                          t.k_off + t.n * BN, t.hkv, t.map_b);
+          }
+        }
+        mbar_wait(sh.v_empty, (k & 1) ^ 1);
+        if (leader) {
+          if (t.skip) {
+            mbar_arrive(sh.v_full);
+          } else {
+            mbar_arrive_expect_tx(sh.v_full, KV_TX);
+#pragma unroll
+            for (int p = 0; p < PANELS; ++p)
+              tma_load_4d(smem + SMEM_V + p * KV_PANEL, &tm_v, sh.v_full, p * PANEL_COLS, t.k_off + t.n * BN, t.hkv,
+                          t.map_b);
           }
         }
         {
@@ -536,13 +556,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       dv[i] = 0.f;
       dk[i] = 0.f;
     }
-    const u8* k_rows = smem + SMEM_K + (SPLIT_D ? 0 : c * KEYS * 128);
+    const int kb = k % K_BUFS;
+    const u8* k_rows = smem + SMEM_K + kb * KV_TILE + (SPLIT_D ? 0 : c * KEYS * 128);
     const u8* v_rows = smem + SMEM_V + (SPLIT_D ? 0 : c * KEYS * 128);
     // dQ's operands: this consumer's query rows of dS^T (DQ_SPLIT_ROWS) or all, its head-dim columns of K or all
-    const u8* k_cols = smem + SMEM_K +
+    const u8* k_cols = smem + SMEM_K + kb * KV_TILE +
                        (DQ_SPLIT_ROWS ? 0 : (c * D / 2 / PANEL_COLS) * KV_PANEL + (c * D / 2 % PANEL_COLS) * 2);
     const int ds_rows = DQ_SPLIT_ROWS ? c * DS_PANEL : 0;
-    mbar_wait(sh.kv_full, k & 1);
+    mbar_wait(&sh.k_full[kb], (k / K_BUFS) & 1);
+    mbar_wait(sh.v_full, k & 1);
+    // V is free for the next unit once this unit's last dP^T has read it (a unit without tiles: at its end)
+    const auto release_v = [&](int m) {
+      if (m + 1 == t.m_end) mbar_arrive_by_lane0(smem_u32(sh.v_empty), lane);
+    };
     // dQ of a tile is issued with the next tile's dV and dK (or after the unit's last tile): its dS^T then comes
     // from both consumers without either waiting, and the two run half a tile apart (they take turns issuing).
     const auto issue_dq_of = [&](float (&acc)[ACC_Q], u32 tile) {
@@ -592,6 +618,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
                       scale_log2);
         wgmma_wait<0>();
         fence_registers(dp);
+        release_v(m);
         score_grads(dp, s, smem_u32(smem + SMEM_DPSUM + st.stage * BM * 4), frag_col);
         u32 pf[Q_STEPS][4], dsf[Q_STEPS][4];
         to_fragments(pf, s);
@@ -687,6 +714,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
                       scale_log2);
         wgmma_wait<0>();
         fence_registers(dp);
+        release_v(m);
         score_grads(dp, s, smem_u32(smem + SMEM_DPSUM + st.stage * BM * 4), frag_col);
         u32 pf[Q_STEPS][4], dsf[Q_STEPS][4];
         to_fragments(pf, s);
@@ -751,7 +779,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       store_dq(dq);
       hand_dq();
     }
-    mbar_arrive_by_lane0(smem_u32(sh.kv_empty), lane);  // every wgmma that read K and V is done
+    mbar_arrive_by_lane0(smem_u32(&sh.k_empty[kb]), lane);  // every wgmma that read K is done
+    if (t.m_begin == t.m_end) mbar_arrive_by_lane0(smem_u32(sh.v_empty), lane);
 
     // ---- epilogue: dK * scale and dV, staged in the dS^T tiles (stage_panel) ----
     // (the unit is decoded again from its slot: kept live across the loop, its fields were spilled)

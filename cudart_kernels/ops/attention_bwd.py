@@ -69,12 +69,13 @@ class AttnBwdConfig:
 
 
 def smem_bytes(bm: int, bn: int, d: int, stages: int) -> int:
-    """Mirror of ptx/attention_bwd.cu: K and V, the Q and dO rings, two dS^T tiles and the fp32 dQ partial (head dim
-    256: two dS^T tiles within the epilogue's staging for dK and dV, no dQ partial), the LSE and dPsum rows of each
-    stage, the barriers and unit slots, 1 KB of alignment slack."""
+    """Mirror of ptx/attention_bwd.cu: K (two buffers; one at head dim 256) and V, the Q and dO rings, two dS^T tiles
+    and the fp32 dQ partial (head dim 256: two dS^T tiles within the epilogue's staging for dK and dV, no dQ
+    partial), the LSE and dPsum rows of each stage, the barriers and unit slots, 1 KB of alignment slack."""
     exchange = 2 * bn * d if d == 256 else 2 * bn * bm * 2 + bm * d * 4  # (256: the dK / dV staging)
-    return (2 * bn * d * 2 + 2 * stages * bm * d * 2 + exchange + 2 * stages * bm * 4 + (4 * stages + 10) * 8 + 8
-            + 1024)
+    k_bufs = 1 if d == 256 else 2  # (the next unit's K loads while this one runs)
+    return ((k_bufs + 1) * bn * d * 2 + 2 * stages * bm * d * 2 + exchange + 2 * stages * bm * 4
+            + (4 * stages + 14) * 8 + 8 + 1024)
 
 
 def pick_config(d: int, tuning: AttnBwdTuning = TUNING) -> AttnBwdConfig:
