@@ -275,8 +275,9 @@ def test_cupy_graph_capture():
         graph = stream.end_capture()
     for _ in range(2):
         new_a = (rng.standard_normal((m, k)) * 0.5).astype(np.float16)
-        a.set(new_a)
-        d.fill(cp.nan)
+        with stream:  # (a non-blocking stream is not ordered after the legacy default stream's fill)
+            a.set(new_a)
+            d.fill(cp.nan)
         graph.launch(stream)
         stream.synchronize()
         want = new_a.astype(np.float64) @ cp.asnumpy(b).astype(np.float64).T
