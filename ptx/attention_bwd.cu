@@ -404,31 +404,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         const BwdUnit t = sched.unit(u);
         // K into its buffer (free since the unit K_BUFS back), then V once the previous unit's last dP^T has read
         // it; every unit takes a phase of each barrier (one past its sequence loads nothing)
+        const auto load_block = [&](u64* full, u8* dst, const CUtensorMap_st* map) {  // the unit's K or V
+          if (!leader) return;
+          if (t.skip) {
+            mbar_arrive(full);
+            return;
+          }
+          mbar_arrive_expect_tx(full, KV_TX);
+#pragma unroll
+          for (int p = 0; p < PANELS; ++p)
+            tma_load_4d(dst + p * KV_PANEL, map, full, p * PANEL_COLS, t.k_off + t.n * BN, t.hkv, t.map_b);
+        };
         const int kb = k % K_BUFS;
         mbar_wait(&sh.k_empty[kb], ((k / K_BUFS) & 1) ^ 1);
-        if (leader) {
-          if (t.skip) {
-            mbar_arrive(&sh.k_full[kb]);
-          } else {
-            mbar_arrive_expect_tx(&sh.k_full[kb], KV_TX);
-#pragma unroll
-            for (int p = 0; p < PANELS; ++p)
-              tma_load_4d(smem + SMEM_K + kb * KV_TILE + p * KV_PANEL, &tm_k, &sh.k_full[kb], p * PANEL_COLS,
-                          t.k_off + t.n * BN, t.hkv, t.map_b);
-          }
-        }
+        load_block(&sh.k_full[kb], smem + SMEM_K + kb * KV_TILE, &tm_k);
         mbar_wait(sh.v_empty, (k & 1) ^ 1);
-        if (leader) {
-          if (t.skip) {
-            mbar_arrive(sh.v_full);
-          } else {
-            mbar_arrive_expect_tx(sh.v_full, KV_TX);
-#pragma unroll
-            for (int p = 0; p < PANELS; ++p)
-              tma_load_4d(smem + SMEM_V + p * KV_PANEL, &tm_v, sh.v_full, p * PANEL_COLS, t.k_off + t.n * BN, t.hkv,
-                          t.map_b);
-          }
-        }
+        load_block(sh.v_full, smem + SMEM_V, &tm_v);
         {
           const int hq = t.hq;
 #pragma unroll 1
