@@ -401,10 +401,14 @@ def _torch_support():
     return _torch
 
 
+def _host_tensor(t) -> HostArrayError:
+    return HostArrayError(f"expected a CUDA tensor, got one on {t.device}; move it to the GPU first")
+
+
 def _torch_view(t, consumer: int, table) -> DeviceArray:
     """torch.Tensor without a DLPack round trip (the caller orders `consumer` after torch's current stream)."""
     if not t.is_cuda:
-        raise HostArrayError(f"expected a CUDA tensor, got one on {t.device}; move it to the GPU first")
+        raise _host_tensor(t)
     dtype = table.get(t.dtype)
     if dtype is None:
         raise TypeError(f"unsupported dtype {t.dtype}")
@@ -502,7 +506,7 @@ class _TorchResults(Native):
     def current_stream(self, t) -> int:
         device = t.get_device()
         if device < 0:
-            raise HostArrayError(f"expected a CUDA tensor, got one on {t.device}; move it to the GPU first")
+            raise _host_tensor(t)
         return (_torch or _torch_support())[2](device)
 
     def empty(self, shape, dtype, device, h, stream, strides=None):
@@ -669,7 +673,7 @@ def _torch_call(objs, first, stream):
     tensor, table, raw_stream = (_torch or _torch_support())[:3]
     device = first.get_device()
     if device < 0:
-        raise HostArrayError(f"expected a CUDA tensor, got one on {first.device}; move it to the GPU first")
+        raise _host_tensor(first)
     if stream is None:
         h = raw_stream(device)
     else:
@@ -682,7 +686,7 @@ def _torch_call(objs, first, stream):
             d = x.get_device()
             if d != device:
                 if d < 0:
-                    raise HostArrayError(f"expected a CUDA tensor, got one on {x.device}; move it to the GPU first")
+                    raise _host_tensor(x)
                 mixed = True  # (the op's validation names the two arrays)
             dtype = table.get(x.dtype)
             if dtype is None:
