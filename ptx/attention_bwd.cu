@@ -6,17 +6,17 @@
 // Warp-specialised and persistent. A unit is (key block of BN keys, query head, sequence): the CTA keeps the
 // block's K and V in shared memory and walks the head's query tiles (BM rows) that see the block. Warpgroup 0:
 // warp 0 streams Q (with its LSE) and dO (with its dPsum) tiles through two STAGES-deep mbarrier rings with TMA
-// (lane 0 issues); warp 1 adds each tile's dQ partial into the fp32 dQ accumulator with TMA reduce-add. Warpgroups
-// 1 and 2 own 64 keys each and per tile compute, with wgmma:
+// (lane 0 issues). Warpgroups 1 and 2 own 64 keys each and per tile compute, with wgmma:
 // - S^T = K Q^T and dP^T = V dO^T (keys as M: both from shared memory, K-major);
 // - P^T = 2^(S^T * scale log2 e - LSE) and dS^T = P^T (dP^T - dPsum) in registers (the LSE and dPsum of a query
 //   column come from shared memory);
 // - dV += P^T dO and dK += dS^T Q with P^T and dS^T straight from registers (the accumulator layout is wgmma's A
 //   register layout) and dO / Q as MN-major B operands; dV and dK stay in registers for the whole unit;
 // - dS^T goes to shared memory; dQ = dS K with dS as an MN-major A operand (both warpgroups' keys) and K as an
-//   MN-major B operand, the warpgroups splitting the head dim (BM 64) or the query rows (BM 128); the fp32 partial
-//   goes through shared memory to the dQ writer warp. A tile's dQ is issued with the next tile's dV and dK, and the
-//   consumers take turns issuing GEMMs: they run half a tile apart, one's softmax under the other's GEMMs.
+//   MN-major B operand, the warpgroups splitting the head dim (BM 64) or the query rows (BM 128); each adds its
+//   64 x 64 fp32 partial into the dQ accumulator straight from its registers (attention_bwd_layout.cuh: the
+//   accumulator is kept in fragment order). A tile's dQ is issued with the next tile's dV and dK, and the consumers
+//   take turns issuing GEMMs: they run half a tile apart, one's softmax under the other's GEMMs.
 // Head dim 256 (SPLIT_D) splits the head dim between the consumers instead of the keys (see SPLIT_D below).
 // GQA: each query head has its units; dK and dV are added into fp32 sums in the epilogue.
 // The grid's last wave (not causal, varlen or deterministic): the host may split the last units into parts over
@@ -25,12 +25,13 @@
 // Masks: keys past the sequence (their K rows may belong to the next packed sequence) and, causal, keys right of
 // the diagonal (bottom-right aligned: query i sees key j <= i + S_k - S_q) get P = 0; query tiles wholly above the
 // diagonal are never visited. Query rows past the sequence get P = 0 through their LSE (+inf, from the prep
-// kernel), so their dQ rows are exact zeros: a varlen tile's reduce-add adds zeros to the next sequence's rows.
+// kernel), so their dQ rows are exact zeros (added into the tile's own slot of the accumulator).
 // DETERMINISTIC: the dQ partials of a query tile are added in key-block order, and a kv head's dK and dV in query
 // head order (semaphores: each adder waits for the previous one's sums to complete in global memory).
 //
 // Compile-time parameters: IN_KIND, HEAD_DIM (64, 128, 256), BM (query rows a tile: 64, or 128 at head dim 64),
 // BN (keys a unit: 128, or 64 at head dim 256), STAGES, CAUSAL, VARLEN, DETERMINISTIC.
+#include "attention_bwd_layout.cuh"
 #include "common/epilogue.cuh"
 #include "common/pipeline.cuh"
 #include "common/scheduler.cuh"
@@ -50,14 +51,12 @@ constexpr bool CAN_SPLIT = !CAUSAL && !VARLEN && !DETERMINISTIC;  // units split
 typedef Wg16<IN_KIND>::type WgIn;
 
 constexpr int D = HEAD_DIM;
-constexpr int STAT_PAD = 128;  // the stats rows' padding (attention_bwd_prep.cu)
 constexpr int PANEL_COLS = 64;
 constexpr int PANELS = D / PANEL_COLS;
 constexpr int CONSUMERS = 2;
 // Head dim 256 (SPLIT_D): dK and dV of 64 keys take 256 registers a thread, so the consumers split the head dim
 // instead of the keys: each computes S^T and dP^T of the block's 64 keys itself (a third more tensor work, nothing
-// to exchange), keeps dK and dV for its half of the head dim and computes that half of dQ, which it adds into the
-// accumulator itself (red.global.add of whole 128-byte rows, staged in shared memory: no room for a dQ tile).
+// to exchange), keeps dK and dV for its half of the head dim and computes that half of dQ (64 columns at a time).
 constexpr bool SPLIT_D = D == 256;
 constexpr int KEYS = SPLIT_D ? BN : BN / CONSUMERS;  // keys a consumer warpgroup's dK and dV rows cover
 constexpr int KV_COLS = SPLIT_D ? D / CONSUMERS : D;  // and head-dim columns
@@ -69,8 +68,6 @@ constexpr int KV_TILE = PANELS * KV_PANEL;
 constexpr int DS_PANEL = BN * 128;    // dS^T: BN key rows of 64 16-bit query columns (128 bytes), BM / 64 panels
 constexpr int DS_TILE = BN * BM * 2;
 constexpr int DS_BUFS = 2;  // (SPLIT_D: one a consumer)
-constexpr int DQ_BOX = 64 * 128;      // 64 rows by 32 fp32 columns of the dQ partial
-constexpr int DQ_TILE = SPLIT_D ? 0 : BM * D * 4;
 constexpr u32 Q_TX = BM * D * 2 + BM * 4;  // a tile and its LSE (or dPsum) row
 constexpr u32 KV_TX = BN * D * 2;  // K, or V, of a unit
 constexpr int ACC_T = BM / 2;        // S^T, dP^T: m64nBM per warpgroup
@@ -79,6 +76,7 @@ constexpr int ACC_KV = KV_COLS / 2;  // dK, dV: m64nKV_COLS
 constexpr bool DQ_SPLIT_ROWS = BM == 128;
 constexpr int DQ_N = DQ_SPLIT_ROWS ? D : SPLIT_D ? 64 : D / 2;  // (SPLIT_D: two passes of 64 columns a consumer)
 constexpr int ACC_Q = DQ_N / 2;
+static_assert(DQ_N == 64, "a consumer's dQ is one 64 x 64 block of the accumulator at a time");
 constexpr int Q_STEPS = BM / 16;     // k16 steps over a tile's queries
 static_assert(D == 64 || D == 128 || D == 256, "head dim 64, 128 or 256");
 static_assert(BM == 64 || (BM == 128 && D == 64), "query tiles of 64 rows, or 128 at head dim 64");
@@ -90,8 +88,8 @@ constexpr int CONSUMER_REGS = 232;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS * LAUNCH_REGS,
               "setmaxnreg beyond the CTA's register allocation");
 
-// Shared memory (1024-byte aligned base): K | V | Q stages | dO stages | dS^T x 2 (SPLIT_D: and the dQ rows'
-// staging, both within the epilogue's staging) | dQ partial | LSE stages | dPsum stages | barriers.
+// Shared memory (1024-byte aligned base): K | V | Q stages | dO stages | dS^T x 2 (SPLIT_D: within the epilogue's
+// staging) | LSE stages | dPsum stages | barriers.
 // K of the next unit loads into the other K buffer while this unit runs, V once this unit's last dP^T has read it
 // (head dim 256: no room for a second K buffer)
 constexpr int K_BUFS = SPLIT_D ? 1 : 2;
@@ -100,9 +98,8 @@ constexpr int SMEM_V = SMEM_K + K_BUFS * KV_TILE;
 constexpr int SMEM_Q = SMEM_V + KV_TILE;
 constexpr int SMEM_DO = SMEM_Q + STAGES * Q_STAGE;
 constexpr int SMEM_DS = SMEM_DO + STAGES * Q_STAGE;
-// SPLIT_D: the epilogue's staging for dK and dV (4 panels) covers the two dS^T tiles and the dQ staging (2 panels)
-constexpr int SMEM_DQ = SMEM_DS + (SPLIT_D ? CONSUMERS * KV_COLS * 128 : DS_BUFS * DS_TILE);
-constexpr int SMEM_LSE = SMEM_DQ + DQ_TILE;
+// SPLIT_D: the epilogue's staging for dK and dV (4 panels) covers the two dS^T tiles
+constexpr int SMEM_LSE = SMEM_DS + (SPLIT_D ? CONSUMERS * KV_COLS * 128 : DS_BUFS * DS_TILE);
 constexpr int SMEM_DPSUM = SMEM_LSE + STAGES * BM * 4;
 constexpr int SMEM_BARS = SMEM_DPSUM + STAGES * BM * 4;
 // Q ring (2 x STAGES), dO ring (2 x STAGES), K full [2] and empty [2], V full and empty, unit full [2] and empty
@@ -116,15 +113,11 @@ static_assert(SMEM_BYTES + 1024 <= 227 * 1024, "shared memory beyond an SM90 CTA
 __device__ __forceinline__ int stage_panel(int c, int pn) {
   return SPLIT_D ? SMEM_DS + (c * (KV_COLS / 64) + pn) * 64 * 128 : SMEM_DS + pn * DS_TILE + c * KEYS * 128;
 }
-static_assert(SPLIT_D ? SMEM_DQ - SMEM_DS >= CONSUMERS * KV_COLS * 128 : PANELS <= DS_BUFS,
+static_assert(SPLIT_D ? CONSUMERS * DS_TILE <= CONSUMERS * KV_COLS * 128 : PANELS <= DS_BUFS,
               "dK / dV panels are staged in the dS^T tiles");
-// SPLIT_D: a consumer stages dQ rows in 64 x 128 bytes after the two dS^T tiles
-constexpr int SMEM_DQ_ROWS = SMEM_DS + CONSUMERS * DS_TILE;
-static_assert(!SPLIT_D || SMEM_DQ_ROWS + CONSUMERS * 64 * 128 <= SMEM_DQ, "dQ row staging within its region");
 
-// Named barriers, each consumer c its own: its dQ half written (consumer -> writer), its dQ half free again
-// (writer -> consumer), its turn to issue GEMMs, its warpgroup; and both consumers together.
-constexpr int BAR_DQ_FULL = 1, BAR_DQ_EMPTY = 3, BAR_TURN = 5, BAR_WG = 7, BAR_CONSUMERS = 9;
+// Named barriers, each consumer c its own: its turn to issue GEMMs, its warpgroup; and both consumers together.
+constexpr int BAR_TURN = 1, BAR_WG = 3, BAR_CONSUMERS = 5;
 constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
 
 typedef StageRing<STAGES, 0> Ring;
@@ -341,29 +334,30 @@ struct BwdShared {
 
 // Arrival counts of the barriers at SMEM_BARS: the Q and dO rings (full: the producer; empty: every consumer warp),
 // K [2] and V full (the producer) and empty (every consumer warp), the unit slots' full (the producer) and empty
-// (every consumer warp and the dQ writer), the dS^T tiles' full and empty (every consumer warp).
+// (every consumer warp), the dS^T tiles' full and empty (every consumer warp).
 __device__ __forceinline__ u32 bar_arrivals(int i) {
   constexpr u32 CONSUMER_WARPS = CONSUMERS * 4;
   if (i < 4 * STAGES) return (i / STAGES) % 2 == 0 ? 1 : CONSUMER_WARPS;
   i -= 4 * STAGES;
-  return i < 2 || i == 4 || i == 6 || i == 7 ? 1 : i == 8 || i == 9 ? CONSUMER_WARPS + 1 : CONSUMER_WARPS;
+  return i < 2 || i == 4 || i == 6 || i == 7 ? 1 : CONSUMER_WARPS;
 }
 
 // tm_q, tm_do: (head dim, rows, heads, batch) maps with boxes {64, BM, 1, 1}; tm_k, tm_v: boxes {64, BN, 1, 1};
-// tm_dk, tm_dv: boxes {64, 64, 1, 1}; tm_dq: the fp32 dQ accumulator with boxes {32, BM, 1, 1}; all 128-byte
-// swizzled. dk_out / dv_out with element strides (row, head): the outputs for varlen row-by-row stores.
+// tm_dk, tm_dv: boxes {64, 64, 1, 1}; all 128-byte swizzled. dk_out / dv_out with element strides (row, head): the
+// outputs for varlen row-by-row stores.
 // tm_stats: the prep kernel's LSE (base 2) rows then dPsum rows, (stat rows, 2 x query heads) fp32 with boxes
 // {BM, 1}. cu_q / cu_k: varlen offsets. seqlen_q / seqlen_k: the lengths (varlen: the longest). group: query heads
 // per kv head. head_group: (sequence, query head) pairs per causal chunk (BwdScheduler). split_from, split_parts:
 // the split units (BwdScheduler; split_from = the unit count: none). scale_log2: softmax scale
 // * log2(e); scale: the softmax scale (dK). unit_counter: two ints, zero between launches; semaphores
-// (DETERMINISTIC): an int per (sequence, query head, query tile), zero between launches. split_acc: a split unit's
-// fp32 dK and dV sums (BN x D each), zero before the launch.
+// (DETERMINISTIC): an int per (sequence, query head, query tile, consumer), zero between launches. dq_acc: the dQ
+// accumulator (attention_bwd_layout.cuh), zero before the launch. split_acc: a split unit's fp32 dK and dV sums (BN
+// x D each), zero before the launch.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     const __grid_constant__ CUtensorMap_st tm_q, const __grid_constant__ CUtensorMap_st tm_k,
     const __grid_constant__ CUtensorMap_st tm_v, const __grid_constant__ CUtensorMap_st tm_do,
-    const __grid_constant__ CUtensorMap_st tm_dq, const __grid_constant__ CUtensorMap_st tm_dk,
-    const __grid_constant__ CUtensorMap_st tm_dv, const __grid_constant__ CUtensorMap_st tm_stats, void* dk_out,
+    const __grid_constant__ CUtensorMap_st tm_dk, const __grid_constant__ CUtensorMap_st tm_dv,
+    const __grid_constant__ CUtensorMap_st tm_stats, void* dk_out,
     void* dv_out, i64 dk_row, i64 dk_head, i64 dv_row, i64 dv_head, const int* cu_q, const int* cu_k, int seqlen_q,
     int seqlen_k, int heads_q, int batch, int group, int head_group, int split_from, int split_parts,
     float scale_log2, float scale, float* dq_acc, float* dk_acc, float* dv_acc, int* unit_counter, int* semaphores,
@@ -375,7 +369,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     tma_prefetch_map(&tm_k);
     tma_prefetch_map(&tm_v);
     tma_prefetch_map(&tm_do);
-    tma_prefetch_map(&tm_dq);
     tma_prefetch_map(&tm_stats);
     u64* bars = reinterpret_cast<u64*>(smem + SMEM_BARS);
     for (int i = 0; i < BARS; ++i) mbar_init(&bars[i], bar_arrivals(i));
@@ -465,57 +458,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         }
         pdl_launch_dependents();
       }
-    } else if (warp == 1) {  // ---- dQ writer: adds each tile's partial into the accumulator ----
-      const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, head_group, split_from, split_parts, cu_q,
-                                cu_k);
-      for (int k = 0, u = sched.first;; ++k) {
-        const BwdShared sh;  // (derived afresh, as in the producer)
-        u8* smem = sh.base;
-        mbar_wait(&sh.unit_full[k & 1], (k >> 1) & 1);
-        u = warp_uniform(sh.unit_slot[k & 1]);
-        mbar_arrive_by_lane0(smem_u32(&sh.unit_empty[k & 1]), lane);
-        if (!sched.more(u)) break;
-        const BwdUnit t = sched.unit(u);
-        if (t.skip || SPLIT_D) continue;  // (SPLIT_D: the consumers add dQ themselves)
-        {
-          const int hq = t.hq;
-#pragma unroll 1
-          for (int m = t.m_begin; m < t.m_end; ++m) {
-            const int m_blocks = (seqlen_q + BM - 1) / BM;
-            int* sem = semaphores + (i64(t.b) * heads_q + hq) * m_blocks + m;
-            // each consumer's half as soon as it is there (the consumers run half a tile apart)
-#pragma unroll
-            for (int c = 0; c < CONSUMERS; ++c) {
-              named_barrier(BAR_DQ_FULL + c, 128 + 32);
-              if (lane == 0) {
-                if (DETERMINISTIC && c == 0) {  // key block n adds after block n - 1 (blocks 0 .. the last that sees m)
-                  while (load_acquire_gpu(sem) != t.n) {
-                  }
-                  fence_proxy_async_global();
-                }
-#pragma unroll
-                for (int j = 0; j < ACC_Q / 16; ++j) {  // the consumer's boxes of 64 rows by 32 columns
-                  const int box = c * (ACC_Q / 16) + j;
-                  const int row = DQ_SPLIT_ROWS ? c * 64 : 0, col = DQ_SPLIT_ROWS ? j * 32 : box * 32;
-                  tma_reduce_add_4d(&tm_dq, smem + SMEM_DQ + box * DQ_BOX, col, t.q_off + m * BM + row, hq, t.map_b);
-                }
-                bulk_commit();
-                if (DETERMINISTIC && c == CONSUMERS - 1) {
-                  bulk_wait<0>();  // the sum is in global memory, not just read out of shared memory
-                  fence_proxy_async_global();
-                  const bool last = (t.n + 1) * BN >= t.sk || first_tile(t.n + 1, t.sq, t.sk) > m;
-                  store_release_gpu(sem, last ? 0 : t.n + 1);  // the last one leaves it zero for the next launch
-                } else {
-                  bulk_wait_read<0>();
-                }
-              }
-              __syncwarp();
-              asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_EMPTY + c), "r"(128 + 32) : "memory");
-            }
-          }
-        }
-      }
-      if (lane == 0) bulk_wait<0>();
     }
     return;
   }
@@ -532,7 +474,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
   const int frag_row = warp * 16 + lane / 4;  // the thread's first key row within the consumer's 64
   const int frag_col = 2 * (lane % 4);        // its first query column within a group of 8
   Pipe st;
-  u32 tiles = 0, dq_sent = 0;
+  u32 tiles = 0;
   float dv[ACC_KV], dk[ACC_KV];
   if (c == CONSUMERS - 1) turn_pass(c);  // consumer 0 issues first
   for (int k = 0;; ++k) {
@@ -566,28 +508,47 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       mbar_wait(&sh.ds_full[tile & 1], (tile >> 1) & 1);
       issue_dq(acc, smem + SMEM_DS + (tile & 1) * DS_TILE + ds_rows, k_cols);
     };
-    // This consumer's dQ half goes to the writer in two steps: stored once its previous reduction has read the
-    // buffer, handed over (proxy fence, barrier) after the next tile's S^T and dP^T are issued (handed over at once,
-    // the fence waited for the stores to drain through the busy shared-memory pipe).
-    bool dq_stored = false;
-    const auto store_dq = [&](const float (&acc)[ACC_Q]) {
-      if (dq_sent++ != 0) named_barrier(BAR_DQ_EMPTY + c, 128 + 32);
-#pragma unroll
-      for (int j = 0; j < ACC_Q / 16; ++j)
-        f32_chunk<32>(acc, j, smem + SMEM_DQ + (c * (ACC_Q / 16) + j) * DQ_BOX, warp, lane);
-      dq_stored = true;
+    // This consumer's 64 x 64 dQ blocks of query tile m into the accumulator, from its registers. DETERMINISTIC: after
+    // key block n - 1's (a semaphore per tile and consumer: the consumers add disjoint blocks), waited for before the
+    // tile's first block and released after its last.
+    const int m_blocks = (seqlen_q + BM - 1) / BM;
+    int* const sem_base = semaphores + (i64(t.b) * heads_q + t.hq) * m_blocks * CONSUMERS + c;
+    const auto dq_order_wait = [&](int m) {
+      if (!DETERMINISTIC) return;
+      if (tid == 0) {
+        while (load_acquire_gpu(sem_base + m * CONSUMERS) != t.n) {
+        }
+      }
+      named_barrier(BAR_WG + c, 128);
     };
-    const auto hand_dq = [&]() {
-      if (!dq_stored) return;
-      fence_proxy_async_smem();
-      asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_FULL + c), "r"(128 + 32) : "memory");
-      dq_stored = false;
+    float* const dq_seq = dq_acc + dq_block(VARLEN ? i64(t.q_off) : i64(t.b) * seqlen_q, t.b, 0, heads_q, t.hq, 0, D);
+    const auto add_dq = [&](const float (&acc)[ACC_Q], int m, int col_block) {
+      const int tile64 = DQ_SPLIT_ROWS ? 2 * m + c : m;  // (a 128-row tile: this consumer's 64 rows)
+      if (tile64 * 64 >= t.sq) return;  // (rows wholly past the sequence: the next sequence's slot)
+      float* block = dq_seq + (i64(tile64) * heads_q * (D / 64) + col_block) * DQ_BLOCK;
+#pragma unroll
+      for (int g = 0; g < ACC_Q / 4; ++g)
+        red_add_f32x4(block + (g * 128 + tid) * 4, make_float4(acc[4 * g], acc[4 * g + 1], acc[4 * g + 2],
+                                                               acc[4 * g + 3]));
+    };
+    const auto dq_order_release = [&](int m) {  // (every thread's additions before the turn passes)
+      if (!DETERMINISTIC) return;
+      named_barrier(BAR_WG + c, 128);
+      if (tid == 0) {
+        fence_acq_rel_gpu();
+        const bool last = (t.n + 1) * BN >= t.sk || first_tile(t.n + 1, t.sq, t.sk) > m;
+        store_release_gpu(sem_base + m * CONSUMERS, last ? 0 : t.n + 1);  // (the last leaves it zero)
+      }
+    };
+    const auto store_dq = [&](const float (&acc)[ACC_Q], int m) {  // (not SPLIT_D: one block a tile)
+      dq_order_wait(m);
+      add_dq(acc, m, DQ_SPLIT_ROWS ? 0 : c);
+      dq_order_release(m);
     };
     bool first = true;
     if constexpr (SPLIT_D) {
       // Each consumer computes S^T and dP^T over the whole head dim itself (the two run apart, taking turns on the
       // tensor cores, with nothing to exchange) and dV, dK and dQ for its half of the head dim.
-      const int m_blocks = (seqlen_q + BM - 1) / BM;
       u8* ds_tile = smem + SMEM_DS + c * DS_TILE;
       for (int m = t.m_begin; m < t.m_end; ++m, ++tiles) {
         const u8* q_tile = smem + SMEM_Q + st.stage * Q_STAGE;
@@ -635,21 +596,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         sh.q_ring.release_by_lane0(st.stage, 0, lane);
         sh.do_ring.release_by_lane0(st.stage, 0, lane);
         st.advance();
-        // dQ (this consumer's columns, 64 at a time) into the accumulator from registers; DETERMINISTIC: after
-        // key block n - 1's (a semaphore per tile and consumer: the two add disjoint columns)
-        int* sem = semaphores + ((i64(t.b) * heads_q + t.hq) * m_blocks + m) * CONSUMERS + c;
-        if (DETERMINISTIC) {
-          if (tid == 0) {
-            while (load_acquire_gpu(sem) != t.n) {
-            }
-          }
-          named_barrier(BAR_WG + c, 128);
-        }
-        // Each warp stages its 16 rows of 32 columns at a time in shared memory (the 16 KB after the dS^T tiles,
-        // 8 KB a consumer) and reads them back as whole 128-byte rows: a red.v4 then adds 4 rows of 128 bytes, where
-        // adding the fragments directly spread 8-byte pairs over 8 rows (4x the L2 requests per byte).
-        u8* dq_stage = smem + SMEM_DQ_ROWS + c * (64 * 128);
-        const i64 acc_row0 = i64(VARLEN ? t.q_off : t.b * seqlen_q) + q0;
+        // dQ (this consumer's columns) into the accumulator, 64 columns at a time
+        dq_order_wait(m);
 #pragma unroll 1
         for (int pass = 0; pass < KV_COLS / DQ_N; ++pass) {
           if (pass > 0) {
@@ -659,29 +607,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
             wgmma_wait<0>();
             fence_registers(dq);
           }
-#pragma unroll
-          for (int j = 0; j < DQ_N / 32; ++j) {
-            f32_chunk<32>(dq, j, dq_stage, warp, lane);
-            __syncwarp();
-#pragma unroll
-            for (int step = 0; step < 4; ++step) {
-              const int r = warp * 16 + step * 4 + lane / 8, g = lane % 8;
-              const float4 x = ld_shared_f32x4(smem_u32(dq_stage + swizzled_offset<128>(r, g)));
-              if (q0 + r < t.sq)
-                red_add_f32x4(dq_acc + ((acc_row0 + r) * heads_q + t.hq) * D + c * KV_COLS + pass * DQ_N + j * 32 +
-                                  g * 4, x);
-            }
-            __syncwarp();
-          }
+          add_dq(dq, m, c * (KV_COLS / DQ_N) + pass);
         }
-        if (DETERMINISTIC) {
-          named_barrier(BAR_WG + c, 128);
-          if (tid == 0) {
-            fence_acq_rel_gpu();
-            const bool last = (t.n + 1) * BN >= t.sk || first_tile(t.n + 1, t.sq, t.sk) > m;
-            store_release_gpu(sem, last ? 0 : t.n + 1);
-          }
-        }
+        dq_order_release(m);
       }
     } else {
       for (int m = t.m_begin; m < t.m_end; ++m, ++tiles) {
@@ -697,7 +625,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         issue_t(dp, v_rows, do_tile);
         wgmma_commit();
         turn_pass(c);
-        hand_dq();  // the previous tile's dQ, stored while its own GEMMs finished
         wgmma_wait<1>();
         fence_registers(s);
         const int q0 = m * BM;
@@ -750,7 +677,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
           fence_registers(dq);
           mbar_arrive_by_lane0(smem_u32(&sh.ds_empty[(tiles - 1) & 1]), lane);
           release_stage();
-          store_dq(dq);
+          store_dq(dq, m - 1);
         }
         if (first) release_stage();
         first = false;
@@ -766,9 +693,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       wgmma_wait<0>();
       fence_registers(dq);
       mbar_arrive_by_lane0(smem_u32(&sh.ds_empty[(tiles - 1) & 1]), lane);
-      hand_dq();
-      store_dq(dq);
-      hand_dq();
+      store_dq(dq, t.m_end - 1);
     }
     mbar_arrive_by_lane0(smem_u32(&sh.k_empty[kb]), lane);  // every wgmma that read K is done
     if (t.m_begin == t.m_end) mbar_arrive_by_lane0(smem_u32(sh.v_empty), lane);
@@ -866,8 +791,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       }
     }
   }
-  // the writer's arrival for the last dQ half; the last turn handed round
-  if (dq_sent != 0) named_barrier(BAR_DQ_EMPTY + c, 128 + 32);
+  // the last turn handed round
   if (c == 0) turn_wait(c);
   epilogue_drain(tid);
 }

@@ -1,17 +1,18 @@
 // The row-wise kernels around the attention backward (attention_bwd.cu), one CTA per (64-row query tile, query head,
 // sequence), four threads a row:
 // - attention_bwd_prep: dPsum = rowsum(dO * O) in fp32 and the LSE in base 2 (LSE log2 e) into the stats rows the
-//   main kernel loads a tile at a time, and the row's fp32 dQ accumulator cleared. Every row of a visited tile is
-//   written: rows past the sequence, and rows that saw no key in the forward (LSE -inf), get LSE +inf (so P = 0)
-//   and dPsum 0.
-// - attention_bwd_dq: dQ = accumulator * softmax scale, to 16 bits.
+//   main kernel loads a tile at a time, and the tile's slot of the fp32 dQ accumulator cleared. Every row of a
+//   visited tile is written: rows past the sequence, and rows that saw no key in the forward (LSE -inf), get LSE
+//   +inf (so P = 0) and dPsum 0.
+// - attention_bwd_dq: dQ = accumulator * softmax scale, to 16 bits (the accumulator's fragment order undone).
+// - attention_bwd_rows: fp32 rows [rows, heads, D] to 16 bits (GQA: the dK and dV sums).
 // - attention_bwd_split_kv (one CTA per split unit, dK or dV, and 64 keys): the split units' dK and dV, below.
 // Stats rows: a head's rows are `stat_head` floats; sequence b starts at b * S_pad (batched, S_pad = S_q rounded up
 // to STAT_PAD) or at (q_off & ~3) + 2 STAT_PAD b (varlen: 16-byte aligned for TMA, and never reaching the next
 // sequence's rows however a tile of up to STAT_PAD rows rounds). Rows up to the sequence's length rounded up to
-// STAT_PAD are written. The accumulator is [rows, heads, D] fp32 with rows b * S_q + i
-// (batched) or q_off + i (varlen).
+// STAT_PAD are written. The dQ accumulator: attention_bwd_layout.cuh.
 // Compile-time parameters: IN_KIND, HEAD_DIM, VARLEN.
+#include "attention_bwd_layout.cuh"
 #include "common/epilogue.cuh"
 #include "common/memory.cuh"
 
@@ -20,14 +21,14 @@
 #endif
 
 constexpr int D = HEAD_DIM;
-constexpr int ROWS = 64;
-constexpr int STAT_PAD = 128;  // attention_bwd.cu
+constexpr int ROWS = 64;  // (the dQ accumulator's blocks are as tall)
 constexpr int VECS = D / 8 / 4;  // 16-byte vectors (8 elements) a thread: every fourth of the row's
 
 struct RowTile {
   int row;      // the thread's row in the sequence
   int sq;       // the sequence's length
-  i64 acc_row;  // its row in the accumulator's row dimension
+  i64 row0;     // the sequence's first row in the packed rows (b S_q batched)
+  i64 acc_row;  // the thread's row in the packed rows
   int stat;     // its index within a head's stats rows
   int b;
 };
@@ -39,14 +40,22 @@ __device__ __forceinline__ RowTile row_tile(const int* cu_q, int seqlen_q) {
   if (VARLEN) {
     const int q_off = __ldg(cu_q + t.b);
     t.sq = __ldg(cu_q + t.b + 1) - q_off;
+    t.row0 = q_off;
     t.acc_row = q_off + t.row;
     t.stat = (q_off & ~3) + 2 * STAT_PAD * t.b + t.row;
   } else {
     t.sq = seqlen_q;
-    t.acc_row = i64(t.b) * seqlen_q + t.row;
+    t.row0 = i64(t.b) * seqlen_q;
+    t.acc_row = t.row0 + t.row;
     t.stat = t.b * ((seqlen_q + STAT_PAD - 1) / STAT_PAD * STAT_PAD) + t.row;
   }
   return t;
+}
+
+// 16 fp32 bytes in one load (a cast to f32x4, a 4-byte aligned struct, loads them 4 bytes at a time).
+__device__ __forceinline__ f32x4 ld_f32x4(const float* p) {
+  const u32x4 v = ld_stream_16(p);
+  return f32x4{__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w)};
 }
 
 __device__ __forceinline__ float dot8(u32x4 a, u32x4 b) {
@@ -84,14 +93,17 @@ extern "C" __global__ void __launch_bounds__(256) attention_bwd_prep(
     const i64 r = VARLEN ? t.acc_row : t.row;
     const u16* orow = reinterpret_cast<const u16*>(o) + b_o + r * o_row + h * o_head;
     const u16* drow = reinterpret_cast<const u16*>(dout) + b_do + r * do_row + h * do_head;
-    float* acc = dq_acc + (t.acc_row * heads + h) * D;
 #pragma unroll
     for (int v = 0; v < VECS; ++v) {
       const int col = (v * 4 + part) * 8;
       dot += dot8(ld_stream_16(orow + col), ld_stream_16(drow + col));
-      *reinterpret_cast<u32x4*>(acc + col) = u32x4{0, 0, 0, 0};
-      *reinterpret_cast<u32x4*>(acc + col + 4) = u32x4{0, 0, 0, 0};
     }
+  }
+  if (int(blockIdx.x) * ROWS < t.sq) {  // the tile's accumulator slot (a tile past the sequence: not its slot)
+    float* block = dq_acc + dq_block(t.row0, t.b, blockIdx.x, heads, h, 0, D);
+#pragma unroll
+    for (int i = 0; i < ROWS * D / 4 / 256; ++i)
+      *reinterpret_cast<u32x4*>(block + (i * 256 + threadIdx.x) * 4) = u32x4{0, 0, 0, 0};
   }
   dot += __shfl_xor_sync(0xffffffffu, dot, 1);
   dot += __shfl_xor_sync(0xffffffffu, dot, 2);
@@ -107,22 +119,50 @@ extern "C" __global__ void __launch_bounds__(256) attention_bwd_prep(
   pdl_launch_dependents();
 }
 
-// dq: element strides row, head, batch (batch unused when VARLEN).
+// dq: element strides row, head, batch (batch unused when VARLEN). A thread takes a fragment's 4 floats at a time
+// (rows r and r + 8, columns c and c + 1: attention_bwd_layout.cuh), a warp 512 contiguous bytes.
 extern "C" __global__ void __launch_bounds__(256) attention_bwd_dq(const float* dq_acc, void* dq, i64 dq_row,
                                                                    i64 dq_head, i64 dq_batch, const int* cu_q,
                                                                    int seqlen_q, float scale) {
   pdl_wait();
+  const int h = blockIdx.y, heads = gridDim.y;
+  const RowTile t = row_tile(cu_q, seqlen_q);
+  const int rows = t.sq - int(blockIdx.x) * ROWS;  // the tile's rows in the sequence
+  if (rows > 0) {
+    const float* block = dq_acc + dq_block(t.row0, t.b, blockIdx.x, heads, h, 0, D);
+    u16* out = reinterpret_cast<u16*>(dq) + (VARLEN ? t.row0 * dq_row : t.b * dq_batch) +
+               i64(blockIdx.x) * ROWS * dq_row + h * dq_head;
+#pragma unroll 4
+    for (int i = threadIdx.x; i < D / 64 * DQ_BLOCK / 4; i += 256) {
+      const int cb = i / (DQ_BLOCK / 4), g = i / 128 % 8, th = i % 128;
+      const int r = th / 32 * 16 + th % 32 / 4, col = cb * 64 + g * 8 + th % 4 * 2;
+      const f32x4 a = ld_f32x4(block + i * 4);
+      if (r < rows) *reinterpret_cast<u32*>(out + r * dq_row + col) = pack_f32x2<IN_KIND>(a.x * scale, a.y * scale);
+      if (r + 8 < rows)
+        *reinterpret_cast<u32*>(out + (r + 8) * dq_row + col) = pack_f32x2<IN_KIND>(a.z * scale, a.w * scale);
+    }
+  }
+  pdl_launch_dependents();
+}
+
+// attention_bwd_rows: out = acc * scale for fp32 rows acc [rows, heads, D] (rows as the dQ accumulator's, cu_q /
+// seqlen_q the key side's for GQA's dK and dV sums); out: element strides row, head, batch (batch unused when
+// VARLEN).
+extern "C" __global__ void __launch_bounds__(256) attention_bwd_rows(const float* acc, void* out, i64 out_row,
+                                                                     i64 out_head, i64 out_batch, const int* cu_q,
+                                                                     int seqlen_q, float scale) {
+  pdl_wait();
   const int h = blockIdx.y, heads = gridDim.y, part = threadIdx.x % 4;
   const RowTile t = row_tile(cu_q, seqlen_q);
   if (t.row >= t.sq) return;
-  const float* acc = dq_acc + (t.acc_row * heads + h) * D;
-  u16* out = reinterpret_cast<u16*>(dq) + (VARLEN ? 0 : t.b * dq_batch) + (VARLEN ? t.acc_row : t.row) * dq_row +
-             h * dq_head;
+  const float* row = acc + (t.acc_row * heads + h) * D;
+  u16* dst = reinterpret_cast<u16*>(out) + (VARLEN ? 0 : t.b * out_batch) + (VARLEN ? t.acc_row : t.row) * out_row +
+             h * out_head;
 #pragma unroll
   for (int v = 0; v < VECS; ++v) {
     const int col = (v * 4 + part) * 8;
-    const f32x4 a = *reinterpret_cast<const f32x4*>(acc + col), b = *reinterpret_cast<const f32x4*>(acc + col + 4);
-    *reinterpret_cast<u32x4*>(out + col) =
+    const f32x4 a = ld_f32x4(row + col), b = ld_f32x4(row + col + 4);
+    *reinterpret_cast<u32x4*>(dst + col) =
         u32x4{pack_f32x2<IN_KIND>(a.x * scale, a.y * scale), pack_f32x2<IN_KIND>(a.z * scale, a.w * scale),
               pack_f32x2<IN_KIND>(b.x * scale, b.y * scale), pack_f32x2<IN_KIND>(b.z * scale, b.w * scale)};
   }
@@ -146,7 +186,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_bwd_split_kv(
 #pragma unroll
     for (int v = 0; v < VECS; ++v) {
       const int col = (v * 4 + part) * 8;
-      const f32x4 a = *reinterpret_cast<const f32x4*>(acc + col), c = *reinterpret_cast<const f32x4*>(acc + col + 4);
+      const f32x4 a = ld_f32x4(acc + col), c = ld_f32x4(acc + col + 4);
       if (key < seqlen_k)
         *reinterpret_cast<u32x4*>(out + col) = u32x4{pack_f32x2<IN_KIND>(a.x, a.y), pack_f32x2<IN_KIND>(a.z, a.w),
                                                      pack_f32x2<IN_KIND>(c.x, c.y), pack_f32x2<IN_KIND>(c.z, c.w)};

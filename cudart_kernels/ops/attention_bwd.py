@@ -3,11 +3,11 @@ log-sum-exp, for the forward's layouts (batched [B, S, H, D] or packed varlen), 
 
 Three kernels run in order on the stream (ptx/attention_bwd_prep.cu, ptx/attention_bwd.cu):
 - prep: dPsum = rowsum(dO * O) and the LSE in base 2, into padded per-head rows; the fp32 dQ accumulator cleared;
-- main: persistent, warp-specialized; a unit is a block of 128 keys of a kv head, whose K and V stay in shared memory
-  while a producer streams the Q and dO tiles of every query head of the group; two consumer warpgroups keep dK and
-  dV in registers, and each tile's dQ partial is added into the accumulator with TMA reduce-add by a writer warp
-  (in a fixed order with `deterministic`);
-- dq: accumulator * softmax scale -> dq's dtype.
+- main: persistent, warp-specialized; a unit is a block of 128 keys (64 at head dim 256) of a query head, whose K
+  and V stay in shared memory while a producer streams the head's Q and dO tiles; two consumer warpgroups keep dK
+  and dV in registers and add each tile's dQ partial into the accumulator straight from their registers (kept in
+  wgmma fragment order, ptx/attention_bwd_layout.cuh; in a fixed order with `deterministic`);
+- dq: accumulator * softmax scale -> dq's dtype (GQA: the fp32 dK and dV sums too).
 This module validates every call before any launch, picks the config, builds the tensor maps and launches.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .sm90 import MapLayout
 HEAD_DIMS = (64, 128, 256)
 ROWS_PREP = 64  # query rows a CTA of the row kernels (ptx/attention_bwd_prep.cu)
 STAT_PAD = 128  # the LSE / dPsum rows' padding (both kernels)
-_MAIN_ARGS = ("tmap",) * 8 + ("ptr", "ptr", "i64", "i64", "i64", "i64", "ptr", "ptr", "i32", "i32", "i32", "i32",
+_MAIN_ARGS = ("tmap",) * 7 + ("ptr", "ptr", "i64", "i64", "i64", "i64", "ptr", "ptr", "i32", "i32", "i32", "i32",
                               "i32", "i32", "i32", "i32", "f32", "f32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr")
 _PREP_ARGS = ("ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "ptr", "i64", "ptr", "ptr",
               "i32")
@@ -71,9 +71,9 @@ class AttnBwdConfig:
 
 def smem_bytes(bm: int, bn: int, d: int, stages: int) -> int:
     """Mirror of ptx/attention_bwd.cu: K (two buffers; one at head dim 256) and V, the Q and dO rings, two dS^T tiles
-    and the fp32 dQ partial (head dim 256: two dS^T tiles within the epilogue's staging for dK and dV, no dQ
-    partial), the LSE and dPsum rows of each stage, the barriers and unit slots, 1 KB of alignment slack."""
-    exchange = 2 * bn * d if d == 256 else 2 * bn * bm * 2 + bm * d * 4  # (256: the dK / dV staging)
+    (head dim 256: within the epilogue's staging for dK and dV), the LSE and dPsum rows of each stage, the barriers
+    and unit slots, 1 KB of alignment slack."""
+    exchange = 2 * bn * d if d == 256 else 2 * bn * bm * 2  # (256: the dK / dV staging)
     k_bufs = 1 if d == 256 else 2  # (the next unit's K loads while this one runs)
     return ((k_bufs + 1) * bn * d * 2 + 2 * stages * bm * d * 2 + exchange + 2 * stages * bm * 4
             + (4 * stages + 14) * 8 + 8 + 1024)
@@ -109,7 +109,8 @@ def variants():
                     for det in (False, True):
                         out.append(("attention_bwd.cu", "attention_bwd_kernel",
                                     _main_defines(dtype, cfg, causal, varlen, det), cfg.smem))
-                for entry in ("attention_bwd_prep", "attention_bwd_dq") + (() if varlen else ("attention_bwd_split_kv",)):
+                for entry in ("attention_bwd_prep", "attention_bwd_dq", "attention_bwd_rows") + (
+                        () if varlen else ("attention_bwd_split_kv",)):
                     out.append(("attention_bwd_prep.cu", entry, _row_defines(dtype, d, varlen), 0))
     return out
 
@@ -144,16 +145,10 @@ def check_backward(dov, qv, kv, vv, ov, lv, cq, ck, max_q, max_k, dqv, dkv, dvv)
 
 # ---- plans and launch ---------------------------------------------------------------------------------------------
 
-def _acc_layout(dims: Dims, rows: int) -> MapLayout:
-    """The fp32 dQ accumulator [rows, H_q, D] (rows: B * S_q, or total_q), seen as (D, rows, heads, batch) with
-    boxes of 32 columns (128 bytes) by 64 rows."""
-    d, h = dims.head_dim, dims.heads_q
-    if dims.varlen:
-        shape, strides = (d, max(rows, 1), h, 1), (h * d * 4, d * 4, d * 4)
-    else:
-        shape = (d, max(dims.seqlen_q, 1), h, dims.batch)
-        strides = (h * d * 4, d * 4, max(dims.seqlen_q, 1) * h * d * 4)
-    return MapLayout(dt.float32, shape, strides, (32, 64, 1, 1), 128)
+def dq_acc_floats(dims: Dims, rows: int) -> int:
+    """The fp32 dQ accumulator's size (ptx/attention_bwd_layout.cuh): a slot of 64 rows by H_q x D per 64-row tile of
+    each sequence, rows / 64 + batch slots at most (rows: B * S_q, or total_q)."""
+    return (rows // 64 + dims.batch) * 64 * dims.heads_q * dims.head_dim
 
 
 def _stat_head(dims: Dims, rows: int) -> int:
@@ -172,9 +167,10 @@ class _Plan:
     main: object
     prep: object
     post: object
+    rows: object       # (GQA's dK / dV sums to 16 bits)
     grid: tuple
     row_grid: tuple
-    maps: tuple        # q, k, v, do, dq accumulator, dk, dv, stats layouts
+    maps: tuple        # q, k, v, do, dk, dv, stats layouts
     scalars: tuple
     scratch: tuple
     stat_head: int
@@ -199,6 +195,8 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
                         pdl=tuning.pdl)
     post = get_launcher("attention_bwd_prep.cu", "attention_bwd_dq", row_defs, dev, _DQ_ARGS, (256,), 0,
                         pdl=tuning.pdl)
+    rows = get_launcher("attention_bwd_prep.cu", "attention_bwd_rows", row_defs, dev, _DQ_ARGS, (256,), 0,
+                        pdl=tuning.pdl)
     n_blocks = -(-dims.seqlen_k // cfg.bn)
     units = n_blocks * dims.heads_q * dims.batch
     m_blocks = -(-dims.seqlen_q // cfg.bm)
@@ -212,13 +210,12 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
     rows_q = qv.shape[0] if dims.varlen else dims.batch * dims.seqlen_q
     stat_head = _stat_head(dims, rows_q)
     maps = (_map_layout(qv, dims.varlen, cfg.bm), _map_layout(kv, dims.varlen, cfg.bn),
-            _map_layout(vv, dims.varlen, cfg.bn), _map_layout(dov, dims.varlen, cfg.bm), _acc_layout(dims, rows_q),
-            _map_layout(dkv, dims.varlen, 64), _map_layout(dvv, dims.varlen, 64),
+            _map_layout(vv, dims.varlen, cfg.bn), _map_layout(dov, dims.varlen, cfg.bm), _map_layout(dkv, dims.varlen, 64), _map_layout(dvv, dims.varlen, 64),
             MapLayout(dt.float32, (stat_head, 2 * dims.heads_q), (stat_head * 4,), (cfg.bm, 1), 0))
     group = dims.heads_q // dims.heads_kv
     scalars = (dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.batch, group, causal_head_group(dims, tuning),
                units - split_units, parts, scale * math.log2(math.e), scale)
-    scratch = (("attn_bwd_dq", max(rows_q, 1) * dims.heads_q * dims.head_dim * 4, False),
+    scratch = (("attn_bwd_dq", dq_acc_floats(dims, rows_q) * 4, False),
                ("attn_bwd_stats", 2 * dims.heads_q * stat_head * 4, False),
                ("attention_units", 8, True))
     rows_k = kv.shape[0] if dims.varlen else dims.batch * dims.seqlen_k
@@ -232,12 +229,11 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
                                 (256,), 0, pdl=tuning.pdl)
         split_grid = (split_units, 2, -(-cfg.bn // ROWS_PREP))
     if deterministic:
-        # (an int per query tile; head dim 256: per tile and consumer)
-        scratch += (("attn_bwd_order", dims.batch * dims.heads_q * m_blocks * 4 * (2 if dims.head_dim == 256 else 1),
-                     True),
+        # (an int per query tile and consumer)
+        scratch += (("attn_bwd_order", dims.batch * dims.heads_q * m_blocks * 4 * 2, True),
                     ("attn_bwd_kv_order", dims.batch * dims.heads_kv * max(n_blocks, 1) * 4, True))
     kv_grid = (max(1, -(-dims.seqlen_k // ROWS_PREP)), dims.heads_kv, dims.batch)
-    return _Plan(cfg, main, prep, post, grid, row_grid, maps, scalars, scratch, stat_head,
+    return _Plan(cfg, main, prep, post, rows, grid, row_grid, maps, scalars, scratch, stat_head,
                  run_main=units > 0, run_rows=m_prep > 0 and dims.batch > 0, kv_acc_floats=kv_acc_floats,
                  kv_grid=kv_grid, split_kv=split_kv, split_grid=split_grid)
 
@@ -358,7 +354,7 @@ def _launch(plan: _Plan, dims: Dims, h: int, arrays) -> None:
         if plan.split_kv is not None:
             plan.split_kv.run(plan.split_grid, h, split_args)
         for a in kv_post_args:
-            plan.post.run(plan.kv_grid, h, a)
+            plan.rows.run(plan.kv_grid, h, a)
     if plan.run_rows:
         plan.post.run(plan.row_grid, h, post_args)
 
@@ -373,7 +369,7 @@ def _args(plan: _Plan, dims: Dims, arrays, ptrs) -> tuple:
     do_p, q_p, k_p, v_p, o_p, lse_p, cq_p, ck_p, dq_p, dk_p, dv_p, acc, stats, counter, order, kv_order, dk_acc, \
         dv_acc, split = ptrs
     maps = sm90.thread_maps()
-    m_q, m_k, m_v, m_do, m_acc, m_dk, m_dv, m_stats = plan.maps
+    m_q, m_k, m_v, m_do, m_dk, m_dv, m_stats = plan.maps
     lse_b, lse_h = (0, lv.strides[0]) if dims.varlen else (lv.strides[0], lv.strides[1])
     seqlen_q = dims.seqlen_q
     prep = (o_p, *_strides(ov, dims.varlen), do_p, *_strides(dov, dims.varlen), lse_p, lse_b, lse_h, stats,
@@ -385,9 +381,9 @@ def _args(plan: _Plan, dims: Dims, arrays, ptrs) -> tuple:
         return prep, None, post, kv_post, None
     dk_row, dk_head, _ = _strides(dkv, dims.varlen)
     dv_row, dv_head, _ = _strides(dvv, dims.varlen)
-    main = (maps.get(m_q, q_p), maps.get(m_k, k_p), maps.get(m_v, v_p), maps.get(m_do, do_p), maps.get(m_acc, acc),
-            maps.get(m_dk, dk_p), maps.get(m_dv, dv_p), maps.get(m_stats, stats), dk_p, dv_p, dk_row, dk_head,
-            dv_row, dv_head, cq_p, ck_p, *plan.scalars, acc, dk_acc, dv_acc, counter, order, kv_order, split)
+    main = (maps.get(m_q, q_p), maps.get(m_k, k_p), maps.get(m_v, v_p), maps.get(m_do, do_p), maps.get(m_dk, dk_p),
+            maps.get(m_dv, dv_p), maps.get(m_stats, stats), dk_p, dv_p, dk_row, dk_head, dv_row, dv_head, cq_p, ck_p,
+            *plan.scalars, acc, dk_acc, dv_acc, counter, order, kv_order, split)
     seqlen_k, heads_q, split_from = plan.scalars[1], plan.scalars[2], plan.scalars[6]
     split_kv = (split, dk_p, *_strides(dkv, False), dv_p, *_strides(dvv, False), split_from,
                 -(-seqlen_k // plan.cfg.bn), heads_q, seqlen_k, plan.cfg.bn) if plan.split_kv is not None else None
