@@ -17,6 +17,8 @@
 //   64 x 64 fp32 partial into the dQ accumulator straight from its registers (attention_bwd_layout.cuh: the
 //   accumulator is kept in fragment order). A tile's dQ is issued with the next tile's dV and dK, and the consumers
 //   take turns issuing GEMMs: they run half a tile apart, one's softmax under the other's GEMMs.
+//   DETERMINISTIC (not SPLIT_D): the partial goes through shared memory to warp 1, which waits for its turn and adds
+//   it with a bulk reduce-add, so that the consumers do not wait on the other CTAs.
 // Head dim 256 (SPLIT_D) splits the head dim between the consumers instead of the keys (see SPLIT_D below).
 // GQA: each query head has its units; dK and dV are added into fp32 sums in the epilogue.
 // The grid's last wave (not causal, varlen or deterministic): the host may split the last units into parts over
@@ -58,6 +60,8 @@ constexpr int CONSUMERS = 2;
 // instead of the keys: each computes S^T and dP^T of the block's 64 keys itself (a third more tensor work, nothing
 // to exchange), keeps dK and dV for its half of the head dim and computes that half of dQ (64 columns at a time).
 constexpr bool SPLIT_D = D == 256;
+// DETERMINISTIC, not SPLIT_D: warp 1 adds the consumers' dQ blocks, staged in shared memory, in their turn
+constexpr bool DQ_WRITER = DETERMINISTIC && !SPLIT_D;
 constexpr int KEYS = SPLIT_D ? BN : BN / CONSUMERS;  // keys a consumer warpgroup's dK and dV rows cover
 constexpr int KV_COLS = SPLIT_D ? D / CONSUMERS : D;  // and head-dim columns
 constexpr int THREADS = 128 * (CONSUMERS + 1);
@@ -89,7 +93,7 @@ static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS *
               "setmaxnreg beyond the CTA's register allocation");
 
 // Shared memory (1024-byte aligned base): K | V | Q stages | dO stages | dS^T x 2 (SPLIT_D: within the epilogue's
-// staging) | LSE stages | dPsum stages | barriers.
+// staging) | the consumers' dQ blocks (DQ_WRITER) | LSE stages | dPsum stages | barriers.
 // K of the next unit loads into the other K buffer while this unit runs, V once this unit's last dP^T has read it
 // (head dim 256: no room for a second K buffer)
 constexpr int K_BUFS = SPLIT_D ? 1 : 2;
@@ -99,7 +103,8 @@ constexpr int SMEM_Q = SMEM_V + KV_TILE;
 constexpr int SMEM_DO = SMEM_Q + STAGES * Q_STAGE;
 constexpr int SMEM_DS = SMEM_DO + STAGES * Q_STAGE;
 // SPLIT_D: the epilogue's staging for dK and dV (4 panels) covers the two dS^T tiles
-constexpr int SMEM_LSE = SMEM_DS + (SPLIT_D ? CONSUMERS * KV_COLS * 128 : DS_BUFS * DS_TILE);
+constexpr int SMEM_DQ = SMEM_DS + (SPLIT_D ? CONSUMERS * KV_COLS * 128 : DS_BUFS * DS_TILE);
+constexpr int SMEM_LSE = SMEM_DQ + (DQ_WRITER ? CONSUMERS * DQ_BLOCK * 4 : 0);
 constexpr int SMEM_DPSUM = SMEM_LSE + STAGES * BM * 4;
 constexpr int SMEM_BARS = SMEM_DPSUM + STAGES * BM * 4;
 // Q ring (2 x STAGES), dO ring (2 x STAGES), K full [2] and empty [2], V full and empty, unit full [2] and empty
@@ -116,8 +121,9 @@ __device__ __forceinline__ int stage_panel(int c, int pn) {
 static_assert(SPLIT_D ? CONSUMERS * DS_TILE <= CONSUMERS * KV_COLS * 128 : PANELS <= DS_BUFS,
               "dK / dV panels are staged in the dS^T tiles");
 
-// Named barriers, each consumer c its own: its turn to issue GEMMs, its warpgroup; and both consumers together.
-constexpr int BAR_TURN = 1, BAR_WG = 3, BAR_CONSUMERS = 5;
+// Named barriers, each consumer c its own: its turn to issue GEMMs, its warpgroup, (DQ_WRITER) its dQ block written
+// (consumer -> writer) and read (writer -> consumer); and both consumers together.
+constexpr int BAR_TURN = 1, BAR_WG = 3, BAR_DQ_FULL = 5, BAR_DQ_EMPTY = 7, BAR_CONSUMERS = 9;
 constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
 
 typedef StageRing<STAGES, 0> Ring;
@@ -334,12 +340,12 @@ struct BwdShared {
 
 // Arrival counts of the barriers at SMEM_BARS: the Q and dO rings (full: the producer; empty: every consumer warp),
 // K [2] and V full (the producer) and empty (every consumer warp), the unit slots' full (the producer) and empty
-// (every consumer warp), the dS^T tiles' full and empty (every consumer warp).
+// (every consumer warp, and the dQ writer), the dS^T tiles' full and empty (every consumer warp).
 __device__ __forceinline__ u32 bar_arrivals(int i) {
   constexpr u32 CONSUMER_WARPS = CONSUMERS * 4;
   if (i < 4 * STAGES) return (i / STAGES) % 2 == 0 ? 1 : CONSUMER_WARPS;
   i -= 4 * STAGES;
-  return i < 2 || i == 4 || i == 6 || i == 7 ? 1 : CONSUMER_WARPS;
+  return i < 2 || i == 4 || i == 6 || i == 7 ? 1 : i == 8 || i == 9 ? CONSUMER_WARPS + DQ_WRITER : CONSUMER_WARPS;
 }
 
 // tm_q, tm_do: (head dim, rows, heads, batch) maps with boxes {64, BM, 1, 1}; tm_k, tm_v: boxes {64, BN, 1, 1};
@@ -458,6 +464,51 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         }
         pdl_launch_dependents();
       }
+    } else if (DQ_WRITER && warp == 1) {  // ---- dQ writer: each consumer's block in key-block order ----
+      const BwdScheduler sched(heads_q, group, batch, seqlen_q, seqlen_k, head_group, split_from, split_parts, cu_q,
+                                cu_k);
+      for (int k = 0, u = sched.first;; ++k) {
+        const BwdShared sh;  // (derived afresh, as in the producer)
+        mbar_wait(&sh.unit_full[k & 1], (k >> 1) & 1);
+        u = warp_uniform(sh.unit_slot[k & 1]);
+        mbar_arrive_by_lane0(smem_u32(&sh.unit_empty[k & 1]), lane);
+        if (!sched.more(u)) break;
+        const BwdUnit t = sched.unit(u);
+        const int m_blocks = (seqlen_q + BM - 1) / BM;
+        float* const dq_seq = dq_acc + dq_block(VARLEN ? i64(t.q_off) : i64(t.b) * seqlen_q, t.b, 0, heads_q, t.hq, 0,
+                                                D);
+#pragma unroll 1
+        for (int m = t.m_begin; m < t.m_end; ++m) {
+          int* sem = semaphores + ((i64(t.b) * heads_q + t.hq) * m_blocks + m) * CONSUMERS;  // (one a tile here)
+#pragma unroll
+          for (int c = 0; c < CONSUMERS; ++c) {  // each consumer's block as soon as it is there
+            named_barrier(BAR_DQ_FULL + c, 128 + 32);
+            if (lane == 0) {
+              if (c == 0) {  // key block n adds after block n - 1 (blocks 0 .. the last that sees m)
+                while (load_acquire_gpu(sem) != t.n) {
+                }
+                fence_proxy_async_global();  // (the acquire before the async proxy's additions)
+              }
+              const int tile64 = DQ_SPLIT_ROWS ? 2 * m + c : m;
+              if (tile64 * 64 < t.sq) {  // (rows wholly past the sequence: the next sequence's slot)
+                bulk_reduce_add_f32(dq_seq + (i64(tile64) * heads_q * (D / 64) + (DQ_SPLIT_ROWS ? 0 : c)) * DQ_BLOCK,
+                                    sh.base + SMEM_DQ + c * DQ_BLOCK * 4, DQ_BLOCK * 4);
+                bulk_commit();
+              }
+              if (c == CONSUMERS - 1) {
+                bulk_wait<0>();  // the sums are in global memory, not just read out of shared memory
+                fence_proxy_async_global();
+                const bool last = (t.n + 1) * BN >= t.sk || first_tile(t.n + 1, t.sq, t.sk) > m;
+                store_release_gpu(sem, last ? 0 : t.n + 1);  // the last one leaves it zero for the next launch
+              } else {
+                bulk_wait_read<0>();
+              }
+            }
+            __syncwarp();
+            asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_EMPTY + c), "r"(128 + 32) : "memory");
+          }
+        }
+      }
     }
     return;
   }
@@ -475,6 +526,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
   const int frag_col = 2 * (lane % 4);        // its first query column within a group of 8
   Pipe st;
   u32 tiles = 0;
+  bool dq_handed = false;  // (DQ_WRITER) the writer has a block of this consumer's that it may not have read yet
   float dv[ACC_KV], dk[ACC_KV];
   if (c == CONSUMERS - 1) turn_pass(c);  // consumer 0 issues first
   for (int k = 0;; ++k) {
@@ -541,6 +593,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       }
     };
     const auto store_dq = [&](const float (&acc)[ACC_Q], int m) {  // (not SPLIT_D: one block a tile)
+      if (DQ_WRITER) {  // the block, in its fragment order, to the writer
+        if (dq_handed) named_barrier(BAR_DQ_EMPTY + c, 128 + 32);
+        u8* block = smem + SMEM_DQ + c * DQ_BLOCK * 4;
+#pragma unroll
+        for (int g = 0; g < ACC_Q / 4; ++g)
+          st_shared_f32x4(block + (g * 128 + tid) * 16, acc[4 * g], acc[4 * g + 1], acc[4 * g + 2], acc[4 * g + 3]);
+        fence_proxy_async_smem();
+        asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_FULL + c), "r"(128 + 32) : "memory");
+        dq_handed = true;
+        return;
+      }
       dq_order_wait(m);
       add_dq(acc, m, DQ_SPLIT_ROWS ? 0 : c);
       dq_order_release(m);
@@ -791,7 +854,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       }
     }
   }
-  // the last turn handed round
+  // the writer's read of the last dQ block; the last turn handed round
+  if (dq_handed) named_barrier(BAR_DQ_EMPTY + c, 128 + 32);
   if (c == 0) turn_wait(c);
   epilogue_drain(tid);
 }

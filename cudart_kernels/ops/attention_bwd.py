@@ -71,9 +71,10 @@ class AttnBwdConfig:
 
 def smem_bytes(bm: int, bn: int, d: int, stages: int) -> int:
     """Mirror of ptx/attention_bwd.cu: K (two buffers; one at head dim 256) and V, the Q and dO rings, two dS^T tiles
-    (head dim 256: within the epilogue's staging for dK and dV), the LSE and dPsum rows of each stage, the barriers
-    and unit slots, 1 KB of alignment slack."""
-    exchange = 2 * bn * d if d == 256 else 2 * bn * bm * 2  # (256: the dK / dV staging)
+    (head dim 256: within the epilogue's staging for dK and dV), the consumers' 64 x 64 fp32 dQ blocks (the
+    deterministic mode's; head dim 256: none), the LSE and dPsum rows of each stage, the barriers and unit slots,
+    1 KB of alignment slack."""
+    exchange = 2 * bn * d if d == 256 else 2 * bn * bm * 2 + 2 * 64 * 64 * 4  # (256: the dK / dV staging)
     k_bufs = 1 if d == 256 else 2  # (the next unit's K loads while this one runs)
     return ((k_bufs + 1) * bn * d * 2 + 2 * stages * bm * d * 2 + exchange + 2 * stages * bm * 4
             + (4 * stages + 14) * 8 + 8 + 1024)

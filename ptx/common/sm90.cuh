@@ -145,6 +145,12 @@ __device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap_st* map, con
       :: "l"(map), "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
 
+// global[0 .. bytes) += shared[0 .. bytes) as fp32 (bytes a multiple of 16, both 16-byte aligned).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src, u32 bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :: "l"(dst), "r"(smem_u32(src)), "r"(bytes) : "memory");
+}
+
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 
 // The shared-memory sources of all but the newest N committed stores/reduces may be reused.
@@ -375,6 +381,11 @@ __device__ __forceinline__ float4 ld_shared_f32x4(u32 addr) {
 
 __device__ __forceinline__ void st_shared_f32x2(void* p, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" :: "r"(smem_u32(p)), "f"(x), "f"(y) : "memory");
+}
+
+__device__ __forceinline__ void st_shared_f32x4(void* p, float x, float y, float z, float w) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(smem_u32(p)), "f"(x), "f"(y), "f"(z), "f"(w)
+               : "memory");
 }
 
 // ---- programmatic dependent launch (kernels launched with the PDL attribute) -----------------------------------
