@@ -18,7 +18,7 @@
 //   accumulator is kept in fragment order). A tile's dQ is issued with the next tile's dV and dK, and the consumers
 //   take turns issuing GEMMs: they run half a tile apart, one's softmax under the other's GEMMs.
 //   DETERMINISTIC (not SPLIT_D): the partial goes through shared memory to warp 1, which waits for its turn and adds
-//   it with a bulk reduce-add, so that the consumers do not wait on the other CTAs.
+//   it with a bulk reduce-add; a consumer waits on the other CTAs only when its previous block is still queued.
 // Head dim 256 (SPLIT_D) splits the head dim between the consumers instead of the keys (see SPLIT_D below).
 // GQA: each query head has its units; dK and dV are added into fp32 sums in the epilogue.
 // The grid's last wave (not causal, varlen or deterministic): the host may split the last units into parts over
@@ -475,8 +475,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         if (!sched.more(u)) break;
         const BwdUnit t = sched.unit(u);
         const int m_blocks = (seqlen_q + BM - 1) / BM;
-        float* const dq_seq = dq_acc + dq_block(VARLEN ? i64(t.q_off) : i64(t.b) * seqlen_q, t.b, 0, heads_q, t.hq, 0,
-                                                D);
+        float* const dq_seq = dq_acc + dq_sequence(VARLEN ? i64(t.q_off) : i64(t.b) * seqlen_q, t.b, heads_q, t.hq, D);
 #pragma unroll 1
         for (int m = t.m_begin; m < t.m_end; ++m) {
           int* sem = semaphores + ((i64(t.b) * heads_q + t.hq) * m_blocks + m) * CONSUMERS;  // (one a tile here)
@@ -491,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
               }
               const int tile64 = DQ_SPLIT_ROWS ? 2 * m + c : m;
               if (tile64 * 64 < t.sq) {  // (rows wholly past the sequence: the next sequence's slot)
-                bulk_reduce_add_f32(dq_seq + (i64(tile64) * heads_q * (D / 64) + (DQ_SPLIT_ROWS ? 0 : c)) * DQ_BLOCK,
+                bulk_reduce_add_f32(dq_seq + dq_tile(tile64, heads_q, DQ_SPLIT_ROWS ? 0 : c, D),
                                     sh.base + SMEM_DQ + c * DQ_BLOCK * 4, DQ_BLOCK * 4);
                 bulk_commit();
               }
@@ -560,9 +559,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       mbar_wait(&sh.ds_full[tile & 1], (tile >> 1) & 1);
       issue_dq(acc, smem + SMEM_DS + (tile & 1) * DS_TILE + ds_rows, k_cols);
     };
-    // This consumer's 64 x 64 dQ blocks of query tile m into the accumulator, from its registers. DETERMINISTIC: after
-    // key block n - 1's (a semaphore per tile and consumer: the consumers add disjoint blocks), waited for before the
-    // tile's first block and released after its last.
+    // This consumer's 64 x 64 dQ blocks of query tile m into the accumulator, from its registers. DETERMINISTIC
+    // (SPLIT_D): after key block n - 1's (a semaphore per tile and consumer: the consumers add disjoint blocks),
+    // waited for before the tile's first block and released after its last.
     const int m_blocks = (seqlen_q + BM - 1) / BM;
     int* const sem_base = semaphores + (i64(t.b) * heads_q + t.hq) * m_blocks * CONSUMERS + c;
     const auto dq_order_wait = [&](int m) {
@@ -573,11 +572,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       }
       named_barrier(BAR_WG + c, 128);
     };
-    float* const dq_seq = dq_acc + dq_block(VARLEN ? i64(t.q_off) : i64(t.b) * seqlen_q, t.b, 0, heads_q, t.hq, 0, D);
+    float* const dq_seq = dq_acc + dq_sequence(VARLEN ? i64(t.q_off) : i64(t.b) * seqlen_q, t.b, heads_q, t.hq, D);
     const auto add_dq = [&](const float (&acc)[ACC_Q], int m, int col_block) {
       const int tile64 = DQ_SPLIT_ROWS ? 2 * m + c : m;  // (a 128-row tile: this consumer's 64 rows)
       if (tile64 * 64 >= t.sq) return;  // (rows wholly past the sequence: the next sequence's slot)
-      float* block = dq_seq + (i64(tile64) * heads_q * (D / 64) + col_block) * DQ_BLOCK;
+      float* block = dq_seq + dq_tile(tile64, heads_q, col_block, D);
 #pragma unroll
       for (int g = 0; g < ACC_Q / 4; ++g)
         red_add_f32x4(block + (g * 128 + tid) * 4, make_float4(acc[4 * g], acc[4 * g + 1], acc[4 * g + 2],
@@ -593,20 +592,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       }
     };
     const auto store_dq = [&](const float (&acc)[ACC_Q], int m) {  // (not SPLIT_D: one block a tile)
-      if (DQ_WRITER) {  // the block, in its fragment order, to the writer
-        if (dq_handed) named_barrier(BAR_DQ_EMPTY + c, 128 + 32);
-        u8* block = smem + SMEM_DQ + c * DQ_BLOCK * 4;
-#pragma unroll
-        for (int g = 0; g < ACC_Q / 4; ++g)
-          st_shared_f32x4(block + (g * 128 + tid) * 16, acc[4 * g], acc[4 * g + 1], acc[4 * g + 2], acc[4 * g + 3]);
-        fence_proxy_async_smem();
-        asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_FULL + c), "r"(128 + 32) : "memory");
-        dq_handed = true;
+      if (!DQ_WRITER) {
+        add_dq(acc, m, DQ_SPLIT_ROWS ? 0 : c);
         return;
       }
-      dq_order_wait(m);
-      add_dq(acc, m, DQ_SPLIT_ROWS ? 0 : c);
-      dq_order_release(m);
+      // the block, in its fragment order, to the writer (which keeps the key-block order)
+      if (dq_handed) named_barrier(BAR_DQ_EMPTY + c, 128 + 32);
+      u8* block = smem + SMEM_DQ + c * DQ_BLOCK * 4;
+#pragma unroll
+      for (int g = 0; g < ACC_Q / 4; ++g)
+        st_shared_f32x4(block + (g * 128 + tid) * 16, acc[4 * g], acc[4 * g + 1], acc[4 * g + 2], acc[4 * g + 3]);
+      fence_proxy_async_smem();
+      asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_FULL + c), "r"(128 + 32) : "memory");
+      dq_handed = true;
     };
     bool first = true;
     if constexpr (SPLIT_D) {

@@ -15,9 +15,13 @@ constexpr int STAT_PAD = 128;
 // no two sequences share a slot (a tile's rows past its sequence are its own), and slots < rows / 64 + batch.
 constexpr int DQ_BLOCK = 64 * 64;
 
-// The first float of a block: tile64 of the sequence b starting at row row0, query head h of `heads`, columns
-// 64 col_block .. 64 col_block + 63 of head dim d.
-__device__ __forceinline__ i64 dq_block(i64 row0, int b, int tile64, int heads, int h, int col_block, int d) {
-  const i64 slot = (row0 >> 6) + b + tile64;
-  return ((slot * heads + h) * (d / 64) + col_block) * DQ_BLOCK;
+// The first float of query head h's (of `heads`) blocks in the first slot of the sequence b starting at row row0
+// (head dim d).
+__device__ __forceinline__ i64 dq_sequence(i64 row0, int b, int heads, int h, int d) {
+  return (((row0 >> 6) + b) * heads + h) * (d / 64) * DQ_BLOCK;
+}
+
+// From there, the block of the sequence's 64-row tile tile64, columns 64 col_block .. 64 col_block + 63.
+__device__ __forceinline__ i64 dq_tile(int tile64, int heads, int col_block, int d) {
+  return (i64(tile64) * heads * (d / 64) + col_block) * DQ_BLOCK;
 }

@@ -100,7 +100,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_bwd_prep(
     }
   }
   if (int(blockIdx.x) * ROWS < t.sq) {  // the tile's accumulator slot (a tile past the sequence: not its slot)
-    float* block = dq_acc + dq_block(t.row0, t.b, blockIdx.x, heads, h, 0, D);
+    float* block = dq_acc + dq_sequence(t.row0, t.b, heads, h, D) + dq_tile(blockIdx.x, heads, 0, D);
 #pragma unroll
     for (int i = 0; i < ROWS * D / 4 / 256; ++i)
       *reinterpret_cast<u32x4*>(block + (i * 256 + threadIdx.x) * 4) = u32x4{0, 0, 0, 0};
@@ -129,7 +129,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_bwd_dq(const float* 
   const RowTile t = row_tile(cu_q, seqlen_q);
   const int rows = t.sq - int(blockIdx.x) * ROWS;  // the tile's rows in the sequence
   if (rows > 0) {
-    const float* block = dq_acc + dq_block(t.row0, t.b, blockIdx.x, heads, h, 0, D);
+    const float* block = dq_acc + dq_sequence(t.row0, t.b, heads, h, D) + dq_tile(blockIdx.x, heads, 0, D);
     u16* out = reinterpret_cast<u16*>(dq) + (VARLEN ? t.row0 * dq_row : t.b * dq_batch) +
                i64(blockIdx.x) * ROWS * dq_row + h * dq_head;
 #pragma unroll 4
@@ -145,9 +145,9 @@ extern "C" __global__ void __launch_bounds__(256) attention_bwd_dq(const float* 
   pdl_launch_dependents();
 }
 
-// attention_bwd_rows: out = acc * scale for fp32 rows acc [rows, heads, D] (rows as the dQ accumulator's, cu_q /
-// seqlen_q the key side's for GQA's dK and dV sums); out: element strides row, head, batch (batch unused when
-// VARLEN).
+// attention_bwd_rows: out = acc * scale for fp32 rows acc [rows, heads, D] (rows b * S + i batched, or the packed
+// rows; cu_q / seqlen_q are the key side's for GQA's dK and dV sums); out: element strides row, head, batch (batch
+// unused when VARLEN).
 extern "C" __global__ void __launch_bounds__(256) attention_bwd_rows(const float* acc, void* out, i64 out_row,
                                                                      i64 out_head, i64 out_batch, const int* cu_q,
                                                                      int seqlen_q, float scale) {

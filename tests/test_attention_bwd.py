@@ -88,6 +88,12 @@ def test_default_tiles_fit_shared_memory(d):
     assert cfg.smem <= bwd.SMEM_BUDGET and cfg.bm in (64, 128) and cfg.bn == (64 if d == 256 else 128)
 
 
+@pytest.mark.parametrize("d,tile", [(64, (64, 128, 2)), (128, (128, 128, 2)), (256, (64, 128, 2))])
+def test_tiles_the_kernel_does_not_take_raise(d, tile):
+    with pytest.raises(ValueError, match="not one the kernel takes"):
+        bwd.pick_config(d, bwd.AttnBwdTuning(tiles=((d, tile),)))
+
+
 def test_causal_head_group_fits_l2_budget():
     from cudart_kernels.ops.attention import Dims
 

@@ -82,6 +82,10 @@ def smem_bytes(bm: int, bn: int, d: int, stages: int) -> int:
 
 def pick_config(d: int, tuning: AttnBwdTuning = TUNING) -> AttnBwdConfig:
     bm, bn, stages = dict(tuning.tiles)[d]
+    # (ptx/attention_bwd.cu: a consumer's dQ is one 64 x 64 block a tile, its dK and dV 64 keys)
+    if (bm, bn) != ((128, 128) if d == 64 else (64, 64) if d == 256 else (64, 128)):
+        raise ValueError(f"attention backward tile {bm}x{bn} at head dim {d} is not one the kernel takes (query rows "
+                         f"x keys: 128 x 128 at head dim 64, 64 x 128 at 128, 64 x 64 at 256)")
     smem = smem_bytes(bm, bn, d, stages)
     if smem > SMEM_BUDGET:
         raise ValueError(f"attention backward tile {bm}x{bn}x{d} with {stages} stages needs {smem} bytes of shared "
@@ -211,7 +215,8 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
     rows_q = qv.shape[0] if dims.varlen else dims.batch * dims.seqlen_q
     stat_head = _stat_head(dims, rows_q)
     maps = (_map_layout(qv, dims.varlen, cfg.bm), _map_layout(kv, dims.varlen, cfg.bn),
-            _map_layout(vv, dims.varlen, cfg.bn), _map_layout(dov, dims.varlen, cfg.bm), _map_layout(dkv, dims.varlen, 64), _map_layout(dvv, dims.varlen, 64),
+            _map_layout(vv, dims.varlen, cfg.bn), _map_layout(dov, dims.varlen, cfg.bm),
+            _map_layout(dkv, dims.varlen, 64), _map_layout(dvv, dims.varlen, 64),
             MapLayout(dt.float32, (stat_head, 2 * dims.heads_q), (stat_head * 4,), (cfg.bm, 1), 0))
     group = dims.heads_q // dims.heads_kv
     scalars = (dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.batch, group, causal_head_group(dims, tuning),
