@@ -156,10 +156,10 @@ __device__ __forceinline__ int first_tile(int n, int sq, int sk) {
 // each have their units (as many as without GQA, the same L2 footprint), whose dK and dV are summed in fp32 (the
 // epilogue). A CTA starts with unit blockIdx.x and takes the next from a global counter when its producer has
 // issued the current one's loads (the long-first order balances itself); the producer hands each index to the
-// consumers and the dQ writer through a two-slot ring in shared memory. The last CTA to finish sets the counter
-// back to zero. In DETERMINISTIC mode this order matters too: the units an addition waits for (earlier key blocks
-// of the head for dQ, earlier query heads of the group for dK and dV) were handed out before it, to CTAs that are
-// running.
+// consumers (and the dQ writer, DQ_WRITER) through a two-slot ring in shared memory. The last CTA to finish sets
+// the counter back to zero. In DETERMINISTIC mode this order matters too: the units an addition waits for (earlier
+// key blocks of the head for dQ, earlier query heads of the group for dK and dV) were handed out before it, to CTAs
+// that are running.
 // CAN_SPLIT: the units from split_from on come as split_parts parts each (adjacent indices, so the parts of a unit
 // run side by side), part p taking the p-th share of the unit's query tiles.
 struct BwdScheduler : PersistentUnits {
