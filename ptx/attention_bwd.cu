@@ -32,7 +32,8 @@
 // head order (semaphores: each adder waits for the previous one's sums to complete in global memory).
 //
 // Compile-time parameters: IN_KIND, HEAD_DIM (64, 128, 256), BM (query rows a tile: 64, or 128 at head dim 64),
-// BN (keys a unit: 128, or 64 at head dim 256), STAGES, CAUSAL, VARLEN, DETERMINISTIC.
+// BN (keys a unit: 128, or 64 at head dim 256), STAGES, CAUSAL, VARLEN, DETERMINISTIC; SMEM_LAUNCH (optional: the
+// launch's dynamic shared memory, checked against the layout).
 #include "attention_bwd_layout.cuh"
 #include "common/epilogue.cuh"
 #include "common/pipeline.cuh"
@@ -112,6 +113,9 @@ constexpr int SMEM_BARS = SMEM_DPSUM + STAGES * BM * 4;
 constexpr int BARS = 4 * STAGES + 14;
 constexpr int SMEM_BYTES = SMEM_BARS + BARS * 8 + 8;
 static_assert(SMEM_BYTES + 1024 <= 227 * 1024, "shared memory beyond an SM90 CTA's opt-in limit");
+#ifdef SMEM_LAUNCH  // the launch's dynamic shared memory (ops/attention_bwd.py smem_bytes, with the alignment slack)
+static_assert(SMEM_BYTES + 1024 <= SMEM_LAUNCH, "the launch gives less shared memory than this layout takes");
+#endif
 
 // The epilogue stages a consumer's dK (then dV) in 64-row panels of 64 columns: in its rows of the dS^T tiles, or
 // (SPLIT_D) in its half of the dS^T and dQ staging region.

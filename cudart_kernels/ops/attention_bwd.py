@@ -69,24 +69,26 @@ class AttnBwdConfig:
     threads: int = 384
 
 
-def smem_bytes(bm: int, bn: int, d: int, stages: int) -> int:
-    """Mirror of ptx/attention_bwd.cu: K (two buffers; one at head dim 256) and V, the Q and dO rings, two dS^T tiles
-    (head dim 256: within the epilogue's staging for dK and dV), the consumers' 64 x 64 fp32 dQ blocks (the
-    deterministic mode's; head dim 256: none), the LSE and dPsum rows of each stage, the barriers and unit slots,
-    1 KB of alignment slack."""
-    exchange = 2 * bn * d if d == 256 else 2 * bn * bm * 2 + 2 * 64 * 64 * 4  # (256: the dK / dV staging)
+def smem_bytes(bm: int, bn: int, d: int, stages: int, deterministic: bool = False) -> int:
+    """Mirror of ptx/attention_bwd.cu (which checks it against the launch's: SMEM_LAUNCH): K (two buffers; one at
+    head dim 256) and V, the Q and dO rings, two dS^T tiles (head dim 256: within the epilogue's staging for dK and
+    dV), the consumers' 64 x 64 fp32 dQ blocks (deterministic mode, head dims 64 and 128), the LSE and dPsum rows of
+    each stage, the barriers and unit slots, 1 KB of alignment slack."""
+    exchange = 2 * bn * d if d == 256 else 2 * bn * bm * 2  # (256: the dK / dV staging)
+    if deterministic and d != 256:
+        exchange += 2 * 64 * 64 * 4
     k_bufs = 1 if d == 256 else 2  # (the next unit's K loads while this one runs)
     return ((k_bufs + 1) * bn * d * 2 + 2 * stages * bm * d * 2 + exchange + 2 * stages * bm * 4
             + (4 * stages + 14) * 8 + 8 + 1024)
 
 
-def pick_config(d: int, tuning: AttnBwdTuning = TUNING) -> AttnBwdConfig:
+def pick_config(d: int, tuning: AttnBwdTuning = TUNING, deterministic: bool = False) -> AttnBwdConfig:
     bm, bn, stages = dict(tuning.tiles)[d]
     # (ptx/attention_bwd.cu: a consumer's dQ is one 64 x 64 block a tile, its dK and dV 64 keys)
     if (bm, bn) != ((128, 128) if d == 64 else (64, 64) if d == 256 else (64, 128)):
         raise ValueError(f"attention backward tile {bm}x{bn} at head dim {d} is not one the kernel takes (query rows "
                          f"x keys: 128 x 128 at head dim 64, 64 x 128 at 128, 64 x 64 at 256)")
-    smem = smem_bytes(bm, bn, d, stages)
+    smem = smem_bytes(bm, bn, d, stages, deterministic)
     if smem > SMEM_BUDGET:
         raise ValueError(f"attention backward tile {bm}x{bn}x{d} with {stages} stages needs {smem} bytes of shared "
                          f"memory")
@@ -95,7 +97,7 @@ def pick_config(d: int, tuning: AttnBwdTuning = TUNING) -> AttnBwdConfig:
 
 def _main_defines(dtype, cfg: AttnBwdConfig, causal: bool, varlen: bool, deterministic: bool) -> dict:
     return {"IN_KIND": _KIND[dtype], "HEAD_DIM": cfg.head_dim, "BM": cfg.bm, "BN": cfg.bn, "STAGES": cfg.stages,
-            "CAUSAL": int(causal), "VARLEN": int(varlen), "DETERMINISTIC": int(deterministic)}
+            "CAUSAL": int(causal), "VARLEN": int(varlen), "DETERMINISTIC": int(deterministic), "SMEM_LAUNCH": cfg.smem}
 
 
 def _row_defines(dtype, d: int, varlen: bool) -> dict:
@@ -107,11 +109,11 @@ def variants():
     head dim 128; the row kernels for each (the split units' dK / dV conversion: batched)."""
     out = []
     for d in HEAD_DIMS:
-        cfg = pick_config(d)
         for dtype in (dt.bfloat16, dt.float16) if d == 128 else (dt.bfloat16,):
             for varlen in (False, True):
                 for causal in (False, True):
                     for det in (False, True):
+                        cfg = pick_config(d, deterministic=det)
                         out.append(("attention_bwd.cu", "attention_bwd_kernel",
                                     _main_defines(dtype, cfg, causal, varlen, det), cfg.smem))
                 for entry in ("attention_bwd_prep", "attention_bwd_dq", "attention_bwd_rows") + (
@@ -190,7 +192,7 @@ class _Plan:
 
 def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, tuning: AttnBwdTuning) -> _Plan:
     dov, qv, kv, vv, ov, lv, dqv, dkv, dvv = arrays
-    cfg = pick_config(dims.head_dim, tuning)
+    cfg = pick_config(dims.head_dim, tuning, deterministic)
     dev = qv.device
     main = get_launcher("attention_bwd.cu", "attention_bwd_kernel",
                         _main_defines(qv.dtype, cfg, causal, dims.varlen, deterministic), dev, _MAIN_ARGS,
