@@ -230,6 +230,16 @@ struct BwdScheduler : PersistentUnits {
   }
 };
 
+// ---- the dQ accumulator (attention_bwd_layout.cuh) ---------------------------------------------------------------
+// Unit t's query head's blocks in its sequence's first slot.
+__device__ __forceinline__ float* dq_unit(float* dq_acc, const BwdUnit& t, int seqlen_q, int heads_q) {
+  return dq_acc + dq_sequence(VARLEN ? i64(t.q_off) : i64(t.b) * seqlen_q, t.b, heads_q, t.hq, D);
+}
+
+// Consumer c's 64-row tile of query tile m (DQ_SPLIT_ROWS: its 64 of the tile's 128 rows). A tile64 wholly past the
+// sequence (tile64 * 64 >= sq) would be the next sequence's slot: nothing is added there.
+__device__ __forceinline__ int dq_tile64(int m, int c) { return DQ_SPLIT_ROWS ? 2 * m + c : m; }
+
 // ---- consumer pieces ---------------------------------------------------------------------------------------------
 // acc = A B^T for this consumer's 64 rows of a K or V block (A) and a Q or dO tile (B), both K-major over the head
 // dim.
@@ -479,7 +489,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         if (!sched.more(u)) break;
         const BwdUnit t = sched.unit(u);
         const int m_blocks = (seqlen_q + BM - 1) / BM;
-        float* const dq_seq = dq_acc + dq_sequence(VARLEN ? i64(t.q_off) : i64(t.b) * seqlen_q, t.b, heads_q, t.hq, D);
+        float* const dq_seq = dq_unit(dq_acc, t, seqlen_q, heads_q);
 #pragma unroll 1
         for (int m = t.m_begin; m < t.m_end; ++m) {
           int* sem = semaphores + ((i64(t.b) * heads_q + t.hq) * m_blocks + m) * CONSUMERS;  // (one a tile here)
@@ -492,8 +502,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
                 }
                 fence_proxy_async_global();  // (the acquire before the async proxy's additions)
               }
-              const int tile64 = DQ_SPLIT_ROWS ? 2 * m + c : m;
-              if (tile64 * 64 < t.sq) {  // (rows wholly past the sequence: the next sequence's slot)
+              const int tile64 = dq_tile64(m, c);
+              if (tile64 * 64 < t.sq) {
                 bulk_reduce_add_f32(dq_seq + dq_tile(tile64, heads_q, DQ_SPLIT_ROWS ? 0 : c, D),
                                     sh.base + SMEM_DQ + c * DQ_BLOCK * 4, DQ_BLOCK * 4);
                 bulk_commit();
@@ -576,10 +586,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       }
       named_barrier(BAR_WG + c, 128);
     };
-    float* const dq_seq = dq_acc + dq_sequence(VARLEN ? i64(t.q_off) : i64(t.b) * seqlen_q, t.b, heads_q, t.hq, D);
+    float* const dq_seq = dq_unit(dq_acc, t, seqlen_q, heads_q);
     const auto add_dq = [&](const float (&acc)[ACC_Q], int m, int col_block) {
-      const int tile64 = DQ_SPLIT_ROWS ? 2 * m + c : m;  // (a 128-row tile: this consumer's 64 rows)
-      if (tile64 * 64 >= t.sq) return;  // (rows wholly past the sequence: the next sequence's slot)
+      const int tile64 = dq_tile64(m, c);
+      if (tile64 * 64 >= t.sq) return;
       float* block = dq_seq + dq_tile(tile64, heads_q, col_block, D);
 #pragma unroll
       for (int g = 0; g < ACC_Q / 4; ++g)

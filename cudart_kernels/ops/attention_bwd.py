@@ -174,7 +174,7 @@ class _Plan:
     main: object
     prep: object
     post: object
-    rows: object       # (GQA's dK / dV sums to 16 bits)
+    rows: object       # GQA's dK / dV sums to 16 bits (None without GQA)
     grid: tuple
     row_grid: tuple
     maps: tuple        # q, k, v, do, dk, dv, stats layouts
@@ -202,8 +202,6 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
                         pdl=tuning.pdl)
     post = get_launcher("attention_bwd_prep.cu", "attention_bwd_dq", row_defs, dev, _DQ_ARGS, (256,), 0,
                         pdl=tuning.pdl)
-    rows = get_launcher("attention_bwd_prep.cu", "attention_bwd_rows", row_defs, dev, _DQ_ARGS, (256,), 0,
-                        pdl=tuning.pdl)
     n_blocks = -(-dims.seqlen_k // cfg.bn)
     units = n_blocks * dims.heads_q * dims.batch
     m_blocks = -(-dims.seqlen_q // cfg.bm)
@@ -228,8 +226,11 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
                ("attention_units", 8, True))
     rows_k = kv.shape[0] if dims.varlen else dims.batch * dims.seqlen_k
     kv_acc_floats = rows_k * dims.heads_kv * dims.head_dim if group > 1 else 0
+    rows = None
     if group > 1:  # GQA: dK and dV summed over the group in fp32, then converted
         scratch += (("attn_bwd_dkv", 2 * max(kv_acc_floats, 1) * 4, False),)
+        rows = get_launcher("attention_bwd_prep.cu", "attention_bwd_rows", row_defs, dev, _DQ_ARGS, (256,), 0,
+                            pdl=tuning.pdl)
     split_kv, split_grid = None, ()
     if split_units and group == 1:  # (GQA: the split units' parts add into the group's sums as any unit)
         scratch += (("attn_bwd_split", split_units * 2 * cfg.bn * dims.head_dim * 4, True),)
