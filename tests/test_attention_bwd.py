@@ -84,8 +84,20 @@ def test_bad_input_raises_before_any_launch(over, err, match):
 
 @pytest.mark.parametrize("d", bwd.HEAD_DIMS)
 def test_default_tiles_fit_shared_memory(d):
-    cfg = bwd.pick_config(d)
-    assert cfg.smem <= bwd.SMEM_BUDGET and cfg.bm in (64, 128) and cfg.bn == (64 if d == 256 else 128)
+    for det, last in ((False, False), (False, True), (True, False)):
+        cfg = bwd.pick_config(d, deterministic=det, dq_last=last)
+        assert cfg.smem <= bwd.SMEM_BUDGET and cfg.bm in (64, 128) and cfg.bn == (64 if d == 256 else 128)
+
+
+def test_dq_last_only_where_units_are_short():
+    """The main kernel converts dQ itself where units average at most 8 query tiles (docs/tuning.md: S 512 won,
+    D 256 causal S 1024 even, S >= 2048 and D 128 S >= 1024 lost), never in deterministic mode."""
+    assert bwd.uses_dq_last(512, 64, False, False) and bwd.uses_dq_last(512, 64, True, False)
+    assert bwd.uses_dq_last(1024, 128, False, False)  # (head dim 64: 128-row tiles)
+    assert not bwd.uses_dq_last(1024, 64, False, False) and not bwd.uses_dq_last(1024, 64, True, False)
+    assert not bwd.uses_dq_last(4096, 64, True, False)
+    assert not bwd.uses_dq_last(512, 64, True, True)
+    assert not bwd.uses_dq_last(512, 64, False, False, bwd.AttnBwdTuning(dq_last_tiles=0))
 
 
 @pytest.mark.parametrize("d,tile", [(64, (64, 128, 2)), (128, (128, 128, 2)), (256, (64, 128, 2))])

@@ -49,13 +49,13 @@ class Case:
         self.out, self.lse = ck.attention(self.dq_in, self.dk_in, self.dv_in, causal=causal, softmax_scale=scale,
                                           return_lse=True, **self.kw)
 
-    def backward(self, deterministic=False):
+    def backward(self, deterministic=False, tuning=None):
         """The device gradients, into NaN-poisoned outputs, as numpy arrays."""
         q_shape, k_shape = self.shapes
         grads = (_poisoned(q_shape, self.dtype), _poisoned(k_shape, self.dtype), _poisoned(k_shape, self.dtype))
         res = ck.attention_backward(self.ddo, self.dq_in, self.dk_in, self.dv_in, self.out, self.lse,
                                     causal=self.causal, softmax_scale=self.scale, deterministic=deterministic,
-                                    dq=grads[0], dk=grads[1], dv=grads[2], **self.kw)
+                                    dq=grads[0], dk=grads[1], dv=grads[2], tuning=tuning, **self.kw)
         assert all(r is g for r, g in zip(res, grads))
         return [g.numpy() for g in grads]
 
@@ -136,3 +136,15 @@ def test_split_units(rng, d, hkv):
     case = Case(rng, (1, s, 4, d), (1, s, hkv, d), False)
     for _ in range(2):
         case.check(case.backward())
+
+
+@pytest.mark.parametrize("dq_last_tiles", [0, 10**6])
+@pytest.mark.parametrize("causal", [False, True])
+def test_both_dq_conversions(rng, dq_last_tiles, causal):
+    """dQ converted after the grid (the accumulator cleared by prep) or by the main kernel's last adder (which
+    leaves the accumulator and its counters zero for the next call): three calls in a row on fresh data, GQA with a
+    sequence tail."""
+    tuning = bwd.AttnBwdTuning(dq_last_tiles=dq_last_tiles)
+    for _ in range(3):
+        case = Case(rng, (2, 700, 4, 128), (2, 700, 2, 128), causal)
+        case.check(case.backward(tuning=tuning))
