@@ -213,7 +213,8 @@ class _Plan:
 
 def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, tuning: AttnBwdTuning) -> _Plan:
     dov, qv, kv, vv, ov, lv, dqv, dkv, dvv = arrays
-    dq_last = uses_dq_last(dims.seqlen_q, pick_config(dims.head_dim, tuning).bm, causal, deterministic, tuning)
+    bm = dict(tuning.tiles)[dims.head_dim][0]  # (pick_config below checks the tile)
+    dq_last = uses_dq_last(dims.seqlen_q, bm, causal, deterministic, tuning)
     cfg = pick_config(dims.head_dim, tuning, deterministic, dq_last)
     dev = qv.device
     main = get_launcher("attention_bwd.cu", "attention_bwd_kernel",
