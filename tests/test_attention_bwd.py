@@ -90,14 +90,15 @@ def test_default_tiles_fit_shared_memory(d):
 
 
 def test_dq_last_only_where_units_are_short():
-    """The main kernel converts dQ itself where units average at most 8 query tiles (docs/tuning.md: S 512 won,
-    D 256 causal S 1024 even, S >= 2048 and D 128 S >= 1024 lost), never in deterministic mode."""
-    assert bwd.uses_dq_last(512, 64, False, False) and bwd.uses_dq_last(512, 64, True, False)
-    assert bwd.uses_dq_last(1024, 128, False, False)  # (head dim 64: 128-row tiles)
-    assert not bwd.uses_dq_last(1024, 64, False, False) and not bwd.uses_dq_last(1024, 64, True, False)
-    assert not bwd.uses_dq_last(4096, 64, True, False)
-    assert not bwd.uses_dq_last(512, 64, True, True)
-    assert not bwd.uses_dq_last(512, 64, False, False, bwd.AttnBwdTuning(dq_last_tiles=0))
+    """The main kernel converts dQ itself where units average at most 8 query tiles of 64 rows (docs/tuning.md:
+    S 512 won or was even, D 64 causal S 512 won; D 64 S 1024, D 256 causal S >= 2048 and D 128 S >= 1024 lost),
+    never in deterministic mode."""
+    assert bwd.uses_dq_last(512, False, False) and bwd.uses_dq_last(512, True, False)
+    assert not bwd.uses_dq_last(1024, False, False) and not bwd.uses_dq_last(1024, True, False)
+    assert bwd.uses_dq_last(900, True, False)  # ((15 + 1) / 2 tiles)
+    assert not bwd.uses_dq_last(4096, True, False)
+    assert not bwd.uses_dq_last(512, True, True)
+    assert not bwd.uses_dq_last(512, False, False, bwd.AttnBwdTuning(dq_last_tiles=0))
 
 
 @pytest.mark.parametrize("d,tile", [(64, (64, 128, 2)), (128, (128, 128, 2)), (256, (64, 128, 2))])

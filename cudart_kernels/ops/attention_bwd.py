@@ -59,7 +59,7 @@ class AttnBwdTuning:
     part_overhead_tiles: float = 1.0
     pdl: bool = True
     # not deterministic: dQ converted by the main kernel (DQ_LAST: no accumulator clearing or dq pass, but a
-    # gpu-scope fence a tile) where the units average at most this many query tiles (uses_dq_last)
+    # gpu-scope fence a tile) where the units average at most this many 64-row query tiles (uses_dq_last)
     dq_last_tiles: float = 8.0
 
 
@@ -104,11 +104,12 @@ def pick_config(d: int, tuning: AttnBwdTuning = TUNING, deterministic: bool = Fa
     return AttnBwdConfig(bm, bn, stages, d, smem)
 
 
-def uses_dq_last(seqlen_q: int, bm: int, causal: bool, deterministic: bool, tuning: AttnBwdTuning = TUNING) -> bool:
+def uses_dq_last(seqlen_q: int, causal: bool, deterministic: bool, tuning: AttnBwdTuning = TUNING) -> bool:
     """Whether the main kernel converts dQ itself (DQ_LAST): where its units average at most
-    `tuning.dq_last_tiles` query tiles (a sequence's tiles; causal, with S_q = S_k, about half of them), the
-    accumulator's clearing and conversion passes cost more than the fence a tile it takes instead."""
-    tiles = -(-seqlen_q // bm)
+    `tuning.dq_last_tiles` 64-row query tiles (a sequence's; causal, with S_q = S_k, about half of them), the
+    accumulator's clearing and conversion passes cost more than the fence an addition it takes instead (counted in
+    the accumulator's 64-row blocks: head dim 64's 128-row tiles measured as two)."""
+    tiles = -(-seqlen_q // 64)
     return not deterministic and ((tiles + 1) / 2 if causal else tiles) <= tuning.dq_last_tiles
 
 
@@ -213,8 +214,7 @@ class _Plan:
 
 def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, tuning: AttnBwdTuning) -> _Plan:
     dov, qv, kv, vv, ov, lv, dqv, dkv, dvv = arrays
-    bm = dict(tuning.tiles)[dims.head_dim][0]  # (pick_config below checks the tile)
-    dq_last = uses_dq_last(dims.seqlen_q, bm, causal, deterministic, tuning)
+    dq_last = uses_dq_last(dims.seqlen_q, causal, deterministic, tuning)
     cfg = pick_config(dims.head_dim, tuning, deterministic, dq_last)
     dev = qv.device
     main = get_launcher("attention_bwd.cu", "attention_bwd_kernel",
