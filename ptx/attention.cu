@@ -402,7 +402,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
       turn_pass(c);
       wgmma_wait<0>();
       fence_registers(s);
-      k_ring.release_by_lane0(st.stage, 0, lane);
+      k_ring.release_predicated(st.stage, 0, lane);
       if (O_BUFFER && j == 0) mbar_arrive_by_lane0(smem_u32(q_empty), lane);
       if (j >= unmasked) mask_block(s, j, row, t.sq, t.sk, lane);
       softmax_block<true>(s, m, l, alpha, scale_log2);
@@ -421,7 +421,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
         turn_pass(c);
         wgmma_wait<1>();  // S is ready; P V still runs under the softmax
         fence_registers(s);
-        k_ring.release_by_lane0(st.stage, 0, lane);
+        k_ring.release_predicated(st.stage, 0, lane);
         if (O_BUFFER && j == 0) mbar_arrive_by_lane0(smem_u32(q_empty), lane);
         if (j >= unmasked) mask_block(s, j, row, t.sq, t.sk, lane);
         softmax_block<false>(s, m, l, alpha, scale_log2);
@@ -437,7 +437,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
         // (alpha is exactly 1 unless a row's max moved: most blocks skip the rescale)
         if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) scale_rows(o_acc, alpha);
         fence_registers(p);
-        v_ring.release_by_lane0(pv.stage, 0, lane);
+        v_ring.release_predicated(pv.stage, 0, lane);
         to_fragments(p, s);
         pv = st;
         st.advance();
@@ -451,7 +451,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_fwd_kernel(
       wgmma_wait<0>();
       fence_registers(o_acc);
       fence_registers(p);
-      v_ring.release_by_lane0(pv.stage, 0, lane);
+      v_ring.release_predicated(pv.stage, 0, lane);
     }
 
     // ---- epilogue: O / l, LSE; O through this consumer's rows of the Q tile ----

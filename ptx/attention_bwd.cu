@@ -744,8 +744,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         fence_registers(dsf);
         fence_registers(dq);
         __syncwarp();  // every lane's LSE and dPsum reads come before lane 0 frees the stages
-        sh.q_ring.release_by_lane0(st.stage, 0, lane);
-        sh.do_ring.release_by_lane0(st.stage, 0, lane);
+        sh.q_ring.release_predicated(st.stage, 0, lane);
+        sh.do_ring.release_predicated(st.stage, 0, lane);
         st.advance();
         // dQ (this consumer's columns) into the accumulator, 64 columns at a time
         dq_order_wait(m);
@@ -811,8 +811,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
           fence_registers(pf);
           fence_registers(dsf);
           __syncwarp();  // every lane's LSE and dPsum reads come before lane 0 frees the stages
-          sh.q_ring.release_by_lane0(st.stage, 0, lane);
-          sh.do_ring.release_by_lane0(st.stage, 0, lane);
+          sh.q_ring.release_predicated(st.stage, 0, lane);
+          sh.do_ring.release_predicated(st.stage, 0, lane);
           st.advance();
         };
         if (first) {

@@ -155,14 +155,14 @@ __device__ __forceinline__ void mma_k_blocks(float (&acc)[ACC], const Ring& ring
       Wgmma<WgIn, BN>::template mma<B_KN>(acc, da + 2 * k, db + DB_STEP * k, (kb != kb0) || k != 0);
     wgmma_commit();
     wgmma_wait<IN_FLIGHT>();
-    if (IN_FLIGHT == 0) ring.release_by_lane0(st.stage, rank, lane);
-    if (IN_FLIGHT == 1 && prev >= 0) ring.release_by_lane0(prev, rank, lane);
+    if (IN_FLIGHT == 0) ring.release_predicated(st.stage, rank, lane);
+    if (IN_FLIGHT == 1 && prev >= 0) ring.release_predicated(prev, rank, lane);
     prev = st.stage;
     st.advance();
   }
   wgmma_wait<0>();
   fence_registers(acc);
-  if (IN_FLIGHT == 1 && prev >= 0) ring.release_by_lane0(prev, rank, lane);
+  if (IN_FLIGHT == 1 && prev >= 0) ring.release_predicated(prev, rank, lane);
 }
 
 // tm_a / tm_b: A and [N, K] B with boxes {BK, rows a CTA loads of a tile} (its half when shared), 128-byte

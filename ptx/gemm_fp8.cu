@@ -221,7 +221,8 @@ struct Mainloop {
   const u8* smem;
   ScalesB sb;  // the current tile's
   int c, warp, lane;
-  u32 rank;
+  u32 empty_bar;  // stage 0's empty barrier this lane frees (Ring::release_bar)
+  u32 sa_row;     // stage 0's sA of this thread's first row (shared address; + 32: its row + 8, + 256: next m64)
   float part[2][PART_N / 2];  // scratch accumulators (two sets, or part[0] alone)
 
   __device__ __forceinline__ Mainloop(const Ring& ring_, const u8* smem_, int c_, int tid, u32 rank_)
@@ -232,7 +233,8 @@ struct Mainloop {
         c(c_),
         warp(tid / 32),
         lane(tid % 32),
-        rank(rank_) {}
+        empty_bar(ring_.release_bar(rank_, tid % 32)),
+        sa_row(smem_u32(smem_ + SMEM_SA) + (c_ * WG_ROWS + tid / 32 * 16 + tid % 32 / 4) * 4) {}
 
   // ---- two scratch sets (SCRATCH2) ----
   // k block kb + 1 is issued into one set before kb, in the other, is promoted, so a consumer keeps the tensor pipe
@@ -256,12 +258,12 @@ struct Mainloop {
     fence_registers(part[J]);
     float scale_b0, scale_b1, scale_b2;
     sb.next(scale_b0, scale_b1, scale_b2);
-    const float* sa = reinterpret_cast<const float*>(smem + SMEM_SA + st.stage * SA_STAGE) + c * 64 + warp * 16;
-    const float sa0 = sa[lane / 4], sa1 = sa[lane / 4 + 8];
+    const u32 sa = sa_row + st.stage * SA_STAGE;
+    const float sa0 = ld_shared_f32(sa), sa1 = ld_shared_f32(sa + 32);
     const float sc[3][2] = {{sa0 * scale_b0, sa1 * scale_b0}, {sa0 * scale_b1, sa1 * scale_b1},
                             {sa0 * scale_b2, sa1 * scale_b2}};
     __syncwarp();  // every lane's sA is in registers (used above) before the stage goes back
-    if (lane == 0) ring.release(st.stage, rank);  // (predicated arrivals measured 3% slower here: 64x32768x512)
+    ring.release_at(empty_bar + st.stage * 8, lane);  // (predicated: measured 3% slower here, 64x32768x512)
     promote<PART_N>(sb.first_next, acc, part[J], sc, 0);
     st.advance();
   }
@@ -306,16 +308,8 @@ struct Mainloop {
       u64 da = da0 + u64(st.stage * (A_STAGE >> 4)), db = db0 + u64(st.stage * (B_STAGE >> 4));
       compute_here(da);
       compute_here(db);
-      const float* sa_stage;
-      if constexpr (SUBS == 2) {  // sA's address too (H100: 4-9% on 256 x 128 tiles; 128 x 192 tiles would spill)
-        u64 sa_addr = reinterpret_cast<u64>(smem + SMEM_SA + st.stage * SA_STAGE) + (c * WG_ROWS + warp * 16) * 4;
-        compute_here(sa_addr);
-        ring.wait(st);
-        sa_stage = reinterpret_cast<const float*>(sa_addr);
-      } else {
-        ring.wait(st);
-        sa_stage = reinterpret_cast<const float*>(smem + SMEM_SA + st.stage * SA_STAGE) + c * WG_ROWS + warp * 16;
-      }
+      const u32 sa_stage = sa_row + st.stage * SA_STAGE;
+      ring.wait(st);
       const float* sb_stage = reinterpret_cast<const float*>(smem + SMEM_SB + st.stage * SB_STAGE) + (lane % 4) * 2;
       float scale_a[SUBS][2];
       u32 a_frag[BK / 32][4];  // A_IN_REGS: this warp's 16 rows of A, one x4 matrix set per k32 step
@@ -337,15 +331,15 @@ struct Mainloop {
         if (u == 0) {
 #pragma unroll
           for (int v = 0; v < SUBS; ++v) {  // rows r and r + 8 of each row block
-            scale_a[v][0] = sa_stage[v * 64 + lane / 4];
-            scale_a[v][1] = sa_stage[v * 64 + lane / 4 + 8];
+            scale_a[v][0] = ld_shared_f32(sa_stage + v * 256);
+            scale_a[v][1] = ld_shared_f32(sa_stage + v * 256 + 32);
           }
         }
         wgmma_wait<0>();
         fence_registers(part[0]);
         if constexpr (A_IN_REGS) fence_registers(a_frag);
         const bool last = u == SUBS * HALVES - 1;
-        if (!WGRAD && last) ring.release_by_lane0(st.stage, rank, lane);  // sA was read above: the stage is done
+        if (!WGRAD && last) ring.release_predicated_at(empty_bar + st.stage * 8, lane);  // (sA read above)
         float* a = acc[sub] + half * (PART_N / 2);
         if constexpr (WGRAD) {
 #pragma unroll
@@ -366,7 +360,7 @@ struct Mainloop {
         }
         if (WGRAD && last) {
           __syncwarp();
-          ring.release_by_lane0(st.stage, rank, lane);
+          ring.release_predicated_at(empty_bar + st.stage * 8, lane);
         }
       }
       st.advance();

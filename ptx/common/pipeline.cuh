@@ -26,10 +26,11 @@ struct StageRing {
   typedef PipeState<RING> State;
   u64* full;
   u64* empty;
+  u32 bars;  // full[0]'s shared address (empty[0] at + RING * 8): the consumers' waits and releases stay 32-bit
 
   // `bars`: 2 x RING mbarriers in shared memory.
-  __device__ __forceinline__ explicit StageRing(u8* bars)
-      : full(reinterpret_cast<u64*>(bars)), empty(reinterpret_cast<u64*>(bars) + RING) {}
+  __device__ __forceinline__ explicit StageRing(u8* bars_)
+      : full(reinterpret_cast<u64*>(bars_)), empty(reinterpret_cast<u64*>(bars_) + RING), bars(smem_u32(bars_)) {}
 
   // Thread 0 initialises the barriers, then the whole CTA, or in a cluster the whole cluster, synchronises: the
   // other CTAs' barriers exist before any multicast or remote arrival.
@@ -72,27 +73,44 @@ struct StageRing {
   }
 
   // ---- consumer half ----
-  __device__ __forceinline__ void wait(State st) const { mbar_wait(&full[st.stage], st.phase); }
-
-  // A consumer warp (one lane) is done with `stage`: free it here and, when paired, in the partner CTA (whose
-  // producer writes half of this CTA's stage).
-  __device__ __forceinline__ void release(int stage, u32 rank) const {
-    mbar_arrive(&empty[stage]);
-    if constexpr (PAIRING != 0) mbar_arrive_cluster(&empty[stage], rank ^ 1);
+  __device__ __forceinline__ void wait(State st) const {
+    while (!mbar_try_wait(bars + st.stage * 8, st.phase)) {
+    }
   }
 
-  // release(stage) by lane 0 of the calling warp as predicated instructions. With a branch around the arrivals
-  // ptxas computed their addresses only after the wgmma wait they follow; predicated, it does so while the group
-  // runs (H100: FP8 256 x 128 tiles 11% faster, BF16 one-consumer tiles on long K 1.2x).
-  __device__ __forceinline__ void release_by_lane0(int stage, u32 rank, int lane) const {
-    const u32 bar = smem_u32(&empty[stage]);
+  // The empty barrier of stage 0 that lane `lane` of a consumer warp frees: this CTA's (lane 0) or, paired, the
+  // partner's (lane 1; its producer writes half of this CTA's stage), as a cluster address then. Stage s's is this
+  // + 8 s (a CTA's window is contiguous): a hot loop computes this once (the mapping reads the CTA's cluster id).
+  __device__ __forceinline__ u32 release_bar(u32 rank, int lane) const {
+    return PAIRING != 0 ? dsmem_addr(bars + RING * 8, rank ^ u32(lane & 1)) : bars + RING * 8;
+  }
+
+  // A consumer warp is done with the stage whose empty barrier (for this lane) is `bar`: one arrival instruction,
+  // lane 0 here and, paired, lane 1 in the partner CTA. CTA-scope release (the default): a cluster-scope release
+  // costs a MEMBAR per arrival (measured: half the stall cycles of a multicast GEMM), and none is needed to free a
+  // stage whose reads (wgmma) have completed.
+  __device__ __forceinline__ void release_at(u32 bar, int lane) const {
     if constexpr (PAIRING != 0) {
-      asm volatile("{\n\t.reg .pred p;\n\tsetp.eq.s32 p, %2, 0;\n\t@p mbarrier.arrive.shared::cta.b64 _, [%0];\n\t"
-                   "@p mbarrier.arrive.shared::cluster.b64 _, [%1];\n\t}"
-                   :: "r"(bar), "r"(dsmem_addr(bar, rank ^ 1)), "r"(lane) : "memory");
+      if (lane < 2) asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(bar) : "memory");
+    } else {
+      if (lane == 0) mbar_arrive(bar);
+    }
+  }
+
+  // release_at as a predicated instruction. With a branch around the arrivals ptxas computed their addresses only
+  // after the wgmma wait they follow; predicated, it does so while the group runs (H100: FP8 256 x 128 tiles 11%
+  // faster, BF16 one-consumer tiles on long K 1.2x).
+  __device__ __forceinline__ void release_predicated_at(u32 bar, int lane) const {
+    if constexpr (PAIRING != 0) {
+      asm volatile("{\n\t.reg .pred p;\n\tsetp.lt.s32 p, %1, 2;\n\t@p mbarrier.arrive.shared::cluster.b64 _, [%0];\n\t}"
+                   :: "r"(bar), "r"(lane) : "memory");
     } else {
       mbar_arrive_by_lane0(bar, lane);
     }
+  }
+
+  __device__ __forceinline__ void release_predicated(int stage, u32 rank, int lane) const {
+    release_predicated_at(release_bar(rank, lane) + stage * 8, lane);
   }
 };
 

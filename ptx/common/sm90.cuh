@@ -34,7 +34,7 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
 __device__ __forceinline__ void mbar_arrive(u64* bar) { mbar_arrive(smem_u32(bar)); }
 
 // Lane 0 of the calling warp arrives, as a predicated instruction (no branch: ptxas then computes the address while
-// earlier work, a wgmma group, still runs; see StageRing::release_by_lane0).
+// earlier work, a wgmma group, still runs; see StageRing::release_predicated).
 __device__ __forceinline__ void mbar_arrive_by_lane0(u32 bar, int lane) {
   asm volatile("{\n\t.reg .pred p;\n\tsetp.eq.s32 p, %1, 0;\n\t@p mbarrier.arrive.shared::cta.b64 _, [%0];\n\t}"
                :: "r"(bar), "r"(lane) : "memory");
@@ -196,15 +196,6 @@ __device__ __forceinline__ u32 dsmem_addr(u32 smem_addr, u32 rank) {
 
 __device__ __forceinline__ u32 dsmem_addr(const void* p, u32 rank) { return dsmem_addr(smem_u32(p), rank); }
 
-// Arrive on the barrier at the same shared offset as `bar` in the cluster's CTA `rank` (possibly this one).
-// CTA-scope release (the default): a cluster-scope release costs a MEMBAR per arrival (measured: half the stall
-// cycles of a multicast GEMM), and none is needed to free a stage whose reads (wgmma) have completed.
-__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 rank) {
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(dsmem_addr(bar, rank)) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_cluster(u64* bar, u32 rank) { mbar_arrive_cluster(smem_u32(bar), rank); }
-
 // ---- inter-CTA signalling (split-K counters) --------------------------------------------------------------------
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
@@ -364,6 +355,12 @@ __device__ __forceinline__ u32 swizzled_offset(int row, int g) {
   } else {
     return row * ROW_BYTES + ((g ^ ((row * ROW_BYTES >> 7) & (ROW_BYTES / 16 - 1))) << 4);
   }
+}
+
+__device__ __forceinline__ float ld_shared_f32(u32 addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ float2 ld_shared_f32x2(u32 addr) {
