@@ -109,6 +109,7 @@ struct StageRing {
     }
   }
 
+  // The same for loops that do not keep release_bar (its mapping is then redone a call when paired).
   __device__ __forceinline__ void release_predicated(int stage, u32 rank, int lane) const {
     release_predicated_at(release_bar(rank, lane) + stage * 8, lane);
   }
