@@ -59,8 +59,9 @@ class AttnBwdTuning:
     part_overhead_tiles: float = 1.0
     pdl: bool = True
     # not deterministic: dQ converted by the main kernel (DQ_LAST: no accumulator clearing or dq pass, but a
-    # gpu-scope fence a tile) where the units average at most this many 64-row query tiles (uses_dq_last)
-    dq_last_tiles: float = 8.0
+    # gpu-scope fence a tile) where the units average at most this many 64-row query tiles (uses_dq_last); off
+    # since the dq pass's rewrite (dc9c746): the passes now cost less than the fences at every size measured
+    dq_last_tiles: float = 0.0
 
 
 TUNING = AttnBwdTuning()
