@@ -120,6 +120,10 @@ static_assert(KSPLIT == 1 || (KSPLIT <= 8 && MCAST == 0 && LAYOUT == LAYOUT_NORM
 constexpr int BN_GCD_128 = (BN & -BN) < 128 ? (BN & -BN) : 128;
 constexpr int SB_BLOCKS = (128 - BN_GCD_128 + BN + 127) / 128;
 static_assert(SB_BLOCKS <= 3, "a tile spans at most three scale blocks of B");
+// The main loop runs whole laps of the ring with the stage a constant (Mainloop::run_one_set) where the loop has at
+// most two copies (one per scale split G: BN a multiple of 64, or within one scale block); BN with finer splits
+// would take up to eight copies of an unrolled lap (64 x 176: 142 KB of code).
+constexpr bool LAP_UNROLL = SB_BLOCKS == 1 || BN_GCD_128 >= 64;
 
 // Promotion of one column part (PART columns, PART / 8 groups of 8, the first being tile group `grp0`) with B's
 // scale block changing at column group G (and G + 16): s[b][h] = sA x sB of block b for this thread's rows r
@@ -134,23 +138,6 @@ __device__ __forceinline__ void promote_part(float* a, const float* part, const 
     a[4 * i + 1] += part[4 * i + 1] * s[b][0];
     a[4 * i + 2] += part[4 * i + 2] * s[b][1];
     a[4 * i + 3] += part[4 * i + 3] * s[b][1];
-  }
-}
-
-// promote_part with G = first_next / 8 (2..16; 16 for a tile within one block) as a compile-time constant, so
-// that no column group needs a compare and a select (those cost 25-35% of the main loop at BN = 176, measured).
-// Only the G that some tile origin (a multiple of BN) can produce are instantiated.
-template <int PART, int G = 2>
-__device__ __forceinline__ void promote(int first_next, float* a, const float* part, const float (&s)[3][2],
-                                        int grp0) {
-  if constexpr (SB_BLOCKS == 1 || G >= 16) {
-    promote_part<16, PART>(a, part, s, grp0);
-  } else if constexpr ((128 - 8 * G) % BN_GCD_128 != 0) {
-    promote<PART, G + 2>(first_next, a, part, s, grp0);
-  } else if (first_next == 8 * G) {
-    promote_part<G, PART>(a, part, s, grp0);
-  } else {
-    promote<PART, G + 2>(first_next, a, part, s, grp0);
   }
 }
 
@@ -253,7 +240,7 @@ struct Mainloop {
   }
 
   // Promote part[J] (stage st, whose wgmma group has completed) and hand the stage back.
-  template <int J>
+  template <int G, int J>
   __device__ __forceinline__ void promote_stage(float* acc) {
     fence_registers(part[J]);
     float scale_b0, scale_b1, scale_b2;
@@ -264,11 +251,12 @@ struct Mainloop {
                             {sa0 * scale_b2, sa1 * scale_b2}};
     __syncwarp();  // every lane's sA is in registers (used above) before the stage goes back
     ring.release_at(empty_bar + st.stage * 8, lane);  // (predicated: measured 3% slower here, 64x32768x512)
-    promote<PART_N>(sb.first_next, acc, part[J], sc, 0);
+    promote_part<G, PART_N>(acc, part[J], sc, 0);
     st.advance();
   }
 
   // All n k blocks of one tile.
+  template <int G>
   __device__ __forceinline__ void run_two_sets(float* acc, int n) {
     if (n <= 0) return;
     Pipe is = st;  // stage of the next k block to issue
@@ -279,91 +267,136 @@ struct Mainloop {
       issue<1>(is);
       is.advance();
       wgmma_wait<1>();
-      promote_stage<0>(acc);
+      promote_stage<G, 0>(acc);
       issue<0>(is);
       is.advance();
       wgmma_wait<1>();
-      promote_stage<1>(acc);
+      promote_stage<G, 1>(acc);
     }
     if (i + 2 == n) {
       issue<1>(is);
       wgmma_wait<1>();
-      promote_stage<0>(acc);
+      promote_stage<G, 0>(acc);
       wgmma_wait<0>();
-      promote_stage<1>(acc);
+      promote_stage<G, 1>(acc);
     } else {
       wgmma_wait<0>();
-      promote_stage<0>(acc);
+      promote_stage<G, 0>(acc);
+    }
+  }
+
+  // The tile's k blocks kb0 .. kb1 - 1, through the loop instantiated for G = first_next / 8 (2..16; 16 for a tile
+  // within one scale block of B) as a compile-time constant: no column group needs a compare and a select (those
+  // cost 25-35% of the main loop at BN = 176, measured), and the choice is made once a tile (made per k block, it
+  // cost 10 instructions of 181 at 128 x 192). Only the G that some tile origin (a multiple of BN) can produce are
+  // instantiated.
+  template <int G = 2>
+  __device__ __forceinline__ void run_tile(float (&acc)[SUBS][ACC], int kb0, int kb1) {
+    if constexpr (SB_BLOCKS == 1 || G >= 16 || WGRAD) {  // (the weight gradient's B scales are per column)
+      run_tile_at<16>(acc, kb0, kb1);
+    } else if constexpr ((128 - 8 * G) % BN_GCD_128 != 0) {
+      run_tile<G + 2>(acc, kb0, kb1);
+    } else if (sb.first_next == 8 * G) {
+      run_tile_at<G>(acc, kb0, kb1);
+    } else {
+      run_tile<G + 2>(acc, kb0, kb1);
+    }
+  }
+
+  template <int G>
+  __device__ __forceinline__ void run_tile_at(float (&acc)[SUBS][ACC], int kb0, int kb1) {
+    if constexpr (SCRATCH2) {
+      run_two_sets<G>(acc[0], kb1 - kb0);
+    } else {
+      run_one_set<G>(acc, kb0, kb1);
     }
   }
 
   // ---- one scratch set: each k block issued, waited for and promoted in turn ----
   // SUBS m64 row blocks (BM = 256) or two column halves (A_IN_REGS) pass through the scratch set one at a time.
+  template <int G>
   __device__ __forceinline__ void run_one_set(float (&acc)[SUBS][ACC], int kb0, int kb1) {
+    // Whole laps of the ring from stage 0 with the stage a constant (its barrier, descriptor and sA offsets
+    // immediates, no stage step or phase select a k block); the k blocks before and after them one at a time.
+#pragma unroll 1
+    for (int kb = kb0; kb < kb1;) {
+      if (LAP_UNROLL && st.stage == 0 && kb + STAGES <= kb1) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) k_block<G>(acc, s, st.phase);
+        st.phase ^= 1;
+        kb += STAGES;
+      } else {
+        k_block<G>(acc, st.stage, st.phase);
+        st.advance();
+        ++kb;
+      }
+    }
+  }
+
+  // One k block from ring stage `stage` (its lap's parity `phase`).
+  template <int G>
+  __device__ __forceinline__ void k_block(float (&acc)[SUBS][ACC], int stage, u32 phase) {
     float* scratch = part[0];
-    for (int kb = kb0; kb < kb1; ++kb) {
-      // B's scales for this k block, loaded before the wait so that their latency overlaps it.
-      float scale_b0 = 0.f, scale_b1 = 0.f, scale_b2 = 0.f;
-      if (!WGRAD) sb.next(scale_b0, scale_b1, scale_b2);
-      u64 da = da0 + u64(st.stage * (A_STAGE >> 4)), db = db0 + u64(st.stage * (B_STAGE >> 4));
-      compute_here(da);
-      compute_here(db);
-      const u32 sa_stage = sa_row + st.stage * SA_STAGE;
-      ring.wait(st);
-      const float* sb_stage = reinterpret_cast<const float*>(smem + SMEM_SB + st.stage * SB_STAGE) + (lane % 4) * 2;
-      float scale_a[SUBS][2];
-      u32 a_frag[BK / 32][4];  // A_IN_REGS: this warp's 16 rows of A, one x4 matrix set per k32 step
-      if constexpr (A_IN_REGS) {
-        // Rows 16 warp + {0..7, 8..15} x 16-byte granules {2k, 2k + 1} of the 128-byte swizzled rows (granule
-        // g of row r sits at g ^ (r % 8)); lane i addresses row i % 8 of matrix i / 8.
-        const int row = c * 64 + warp * 16 + (lane / 8 % 2) * 8 + lane % 8;
-        const u8* a_row = smem + st.stage * A_STAGE + row * 128;
+    // B's scales for this k block, loaded before the wait so that their latency overlaps it.
+    float scale_b0 = 0.f, scale_b1 = 0.f, scale_b2 = 0.f;
+    if (!WGRAD) sb.next(scale_b0, scale_b1, scale_b2);
+    u64 da = da0 + u64(stage * (A_STAGE >> 4)), db = db0 + u64(stage * (B_STAGE >> 4));
+    compute_here(da);
+    compute_here(db);
+    const u32 sa_stage = sa_row + stage * SA_STAGE;
+    ring.wait(Pipe{stage, phase});
+    const float* sb_stage = reinterpret_cast<const float*>(smem + SMEM_SB + stage * SB_STAGE) + (lane % 4) * 2;
+    float scale_a[SUBS][2];
+    u32 a_frag[BK / 32][4];  // A_IN_REGS: this warp's 16 rows of A, one x4 matrix set per k32 step
+    if constexpr (A_IN_REGS) {
+      // Rows 16 warp + {0..7, 8..15} x 16-byte granules {2k, 2k + 1} of the 128-byte swizzled rows (granule
+      // g of row r sits at g ^ (r % 8)); lane i addresses row i % 8 of matrix i / 8.
+      const int row = c * 64 + warp * 16 + (lane / 8 % 2) * 8 + lane % 8;
+      const u8* a_row = smem + stage * A_STAGE + row * 128;
 #pragma unroll
-        for (int k = 0; k < BK / 32; ++k) ldmatrix_x4(a_frag[k], a_row + (((2 * k + lane / 16) ^ (lane % 8)) << 4));
-      }
+      for (int k = 0; k < BK / 32; ++k) ldmatrix_x4(a_frag[k], a_row + (((2 * k + lane / 16) ^ (lane % 8)) << 4));
+    }
 #pragma unroll
-      for (int u = 0; u < SUBS * HALVES; ++u) {
-        const int sub = A_IN_REGS ? 0 : u, half = A_IN_REGS ? u : 0;
-        wgmma_fence();
-        qgmma_k_block<A_IN_REGS>(part[0], a_frag, da + u64(sub * (64 * 128 >> 4)),
-                                 db + u64(half * (PART_N * 128 >> 4)));
-        wgmma_commit();
-        if (u == 0) {
+    for (int u = 0; u < SUBS * HALVES; ++u) {
+      const int sub = A_IN_REGS ? 0 : u, half = A_IN_REGS ? u : 0;
+      wgmma_fence();
+      qgmma_k_block<A_IN_REGS>(part[0], a_frag, da + u64(sub * (64 * 128 >> 4)),
+                               db + u64(half * (PART_N * 128 >> 4)));
+      wgmma_commit();
+      if (u == 0) {
 #pragma unroll
-          for (int v = 0; v < SUBS; ++v) {  // rows r and r + 8 of each row block
-            scale_a[v][0] = ld_shared_f32(sa_stage + v * 256);
-            scale_a[v][1] = ld_shared_f32(sa_stage + v * 256 + 32);
-          }
-        }
-        wgmma_wait<0>();
-        fence_registers(part[0]);
-        if constexpr (A_IN_REGS) fence_registers(a_frag);
-        const bool last = u == SUBS * HALVES - 1;
-        if (!WGRAD && last) ring.release_predicated_at(empty_bar + st.stage * 8, lane);  // (sA read above)
-        float* a = acc[sub] + half * (PART_N / 2);
-        if constexpr (WGRAD) {
-#pragma unroll
-          for (int i = 0; i < PART_N / 8; ++i) {  // per-column scales of B: columns col + 2 (lane % 4) + {0, 1}
-            const int col = 8 * (i + half * (PART_N / 8));  // first column of this column group in the tile
-            const float2 scale_b = *reinterpret_cast<const float2*>(sb_stage + col);
-            a[4 * i] += scratch[4 * i] * (scale_a[sub][0] * scale_b.x);
-            a[4 * i + 1] += scratch[4 * i + 1] * (scale_a[sub][0] * scale_b.y);
-            a[4 * i + 2] += scratch[4 * i + 2] * (scale_a[sub][1] * scale_b.x);
-            a[4 * i + 3] += scratch[4 * i + 3] * (scale_a[sub][1] * scale_b.y);
-          }
-        } else {
-          // sA x sB of this thread's rows r and r + 8 for each scale block of B the tile meets.
-          const float sc[3][2] = {{scale_a[sub][0] * scale_b0, scale_a[sub][1] * scale_b0},
-                                  {scale_a[sub][0] * scale_b1, scale_a[sub][1] * scale_b1},
-                                  {scale_a[sub][0] * scale_b2, scale_a[sub][1] * scale_b2}};
-          promote<PART_N>(sb.first_next, a, scratch, sc, half * (PART_N / 8));
-        }
-        if (WGRAD && last) {
-          __syncwarp();
-          ring.release_predicated_at(empty_bar + st.stage * 8, lane);
+        for (int v = 0; v < SUBS; ++v) {  // rows r and r + 8 of each row block
+          scale_a[v][0] = ld_shared_f32(sa_stage + v * 256);
+          scale_a[v][1] = ld_shared_f32(sa_stage + v * 256 + 32);
         }
       }
-      st.advance();
+      wgmma_wait<0>();
+      fence_registers(part[0]);
+      if constexpr (A_IN_REGS) fence_registers(a_frag);
+      const bool last = u == SUBS * HALVES - 1;
+      if (!WGRAD && last) ring.release_predicated_at(empty_bar + stage * 8, lane);  // (sA read above)
+      float* a = acc[sub] + half * (PART_N / 2);
+      if constexpr (WGRAD) {
+#pragma unroll
+        for (int i = 0; i < PART_N / 8; ++i) {  // per-column scales of B: columns col + 2 (lane % 4) + {0, 1}
+          const int col = 8 * (i + half * (PART_N / 8));  // first column of this column group in the tile
+          const float2 scale_b = *reinterpret_cast<const float2*>(sb_stage + col);
+          a[4 * i] += scratch[4 * i] * (scale_a[sub][0] * scale_b.x);
+          a[4 * i + 1] += scratch[4 * i + 1] * (scale_a[sub][0] * scale_b.y);
+          a[4 * i + 2] += scratch[4 * i + 2] * (scale_a[sub][1] * scale_b.x);
+          a[4 * i + 3] += scratch[4 * i + 3] * (scale_a[sub][1] * scale_b.y);
+        }
+      } else {
+        // sA x sB of this thread's rows r and r + 8 for each scale block of B the tile meets.
+        const float sc[3][2] = {{scale_a[sub][0] * scale_b0, scale_a[sub][1] * scale_b0},
+                                {scale_a[sub][0] * scale_b1, scale_a[sub][1] * scale_b1},
+                                {scale_a[sub][0] * scale_b2, scale_a[sub][1] * scale_b2}};
+        promote_part<G, PART_N>(a, scratch, sc, half * (PART_N / 8));
+      }
+      if (WGRAD && last) {
+        __syncwarp();
+        ring.release_predicated_at(empty_bar + stage * 8, lane);
+      }
     }
   }
 };
@@ -477,11 +510,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
     for (int u = 0; u < SUBS; ++u)
 #pragma unroll
       for (int i = 0; i < ACC; ++i) acc[u][i] = 0.f;
-    if constexpr (SCRATCH2) {
-      ml.run_two_sets(acc[0], t.kb1 - t.kb0);
-    } else {
-      ml.run_one_set(acc, t.kb0, t.kb1);
-    }
+    ml.run_tile(acc, t.kb0, t.kb1);
 
 #if KSPLIT > 1
     if constexpr (CONSUMERS > 1) named_barrier(3, 256);  // both consumers are done with the stages
