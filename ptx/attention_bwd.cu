@@ -1,7 +1,7 @@
 // Attention backward: dQ, dK, dV of O = softmax(scale * Q K^T) V from dO, with the forward's log-sum-exp, for
 // 16-bit Q, K, V, O, dO (bf16 or fp16) and fp32 accumulation. attention_bwd_prep.cu runs before (dPsum = rowsum(dO
-// * O), the LSE in base 2, the dQ accumulator cleared, or with DQ_LAST dq of the query tiles no key block sees) and
-// after (dQ accumulator * scale -> 16 bits, unless DQ_LAST; GQA: the fp32 dK and dV sums -> 16 bits).
+// * O), the LSE in base 2, the dQ accumulator cleared) and after (dQ accumulator * scale -> 16 bits; GQA: the fp32
+// dK and dV sums -> 16 bits).
 //
 // Warp-specialised and persistent. A unit is (key block of BN keys, query head, sequence): the CTA keeps the
 // block's K and V in shared memory and walks the head's query tiles (BM rows) that see the block. Warpgroup 0:
@@ -16,8 +16,7 @@
 //   MN-major B operand, the warpgroups splitting the head dim (BM 64) or the query rows (BM 128); each adds its
 //   64 x 64 fp32 partial into the dQ accumulator straight from its registers (attention_bwd_layout.cuh: the
 //   accumulator is kept in fragment order). A tile's dQ is issued with the next tile's dV and dK, and the consumers
-//   take turns issuing GEMMs: they run half a tile apart, one's softmax under the other's GEMMs. DQ_LAST: the CTA
-//   whose addition completes a block converts it to dq and leaves it zero (DqRecord below).
+//   take turns issuing GEMMs: they run half a tile apart, one's softmax under the other's GEMMs.
 //   DETERMINISTIC (not SPLIT_D): the partial goes through shared memory to warp 1, which waits for its turn and adds
 //   it with a bulk reduce-add; a consumer waits on the other CTAs only when its previous block is still queued.
 // Head dim 256 (SPLIT_D) splits the head dim between the consumers instead of the keys (see SPLIT_D below).
@@ -50,10 +49,6 @@
 #ifndef DETERMINISTIC
 #define DETERMINISTIC 0
 #endif
-#ifndef DQ_LAST
-#define DQ_LAST 0
-#endif
-static_assert(!(DQ_LAST && DETERMINISTIC), "deterministic mode converts dQ after the grid");
 constexpr bool CAN_SPLIT = !CAUSAL && !VARLEN && !DETERMINISTIC;  // units split over query tiles (the last wave)
 
 typedef Wg16<IN_KIND>::type WgIn;
@@ -116,9 +111,7 @@ constexpr int SMEM_BARS = SMEM_DPSUM + STAGES * BM * 4;
 // Q ring (2 x STAGES), dO ring (2 x STAGES), K full [2] and empty [2], V full and empty, unit full [2] and empty
 // [2], dS full [2] and empty [2], the unit indices [2]
 constexpr int BARS = 4 * STAGES + 14;
-constexpr int SMEM_RECS = SMEM_BARS + BARS * 8 + 8;  // (DQ_LAST) each consumer's last DQ_RECS additions
-constexpr int DQ_RECS = 4;
-constexpr int SMEM_BYTES = SMEM_RECS + (DQ_LAST ? CONSUMERS * DQ_RECS * 32 : 0);
+constexpr int SMEM_BYTES = SMEM_BARS + BARS * 8 + 8;
 static_assert(SMEM_BYTES + 1024 <= 227 * 1024, "shared memory beyond an SM90 CTA's opt-in limit");
 #ifdef SMEM_LAUNCH  // the launch's dynamic shared memory (ops/attention_bwd.py smem_bytes, with the alignment slack)
 static_assert(SMEM_BYTES + 1024 <= SMEM_LAUNCH, "the launch gives less shared memory than this layout takes");
@@ -247,21 +240,8 @@ __device__ __forceinline__ float* dq_unit(float* dq_acc, const BwdUnit& t, int s
 // sequence (tile64 * 64 >= sq) would be the next sequence's slot: nothing is added there.
 __device__ __forceinline__ int dq_tile64(int m, int c) { return DQ_SPLIT_ROWS ? 2 * m + c : m; }
 
-// A consumer's addition of a tile's dQ: DQ_ADD_BLOCKS adjacent 64 x 64 blocks (SPLIT_D: its two 64-column passes),
-// counted in dq_counts at the first block's index. DQ_LAST: the addition that brings the count to `visits`
-// (tile_visits: every key block that sees the tile has added) is the last, and its CTA converts the blocks to dq
-// and leaves them and the counter zero for the next launch; no accumulator pass is left for after the grid (worth
-// it where that pass is a large part of the time: short sequences). An addition is counted at the consumer's next
-// one (its red.adds done by then) and its count read at the one after: each consumer keeps its last DQ_RECS
-// additions in shared memory. The count's gpu-scope fence costs about a microsecond a tile under load.
+// A consumer's addition of a tile's dQ: DQ_ADD_BLOCKS adjacent 64 x 64 blocks (SPLIT_D: its two 64-column passes).
 constexpr int DQ_ADD_BLOCKS = SPLIT_D ? KV_COLS / DQ_N : 1;
-struct DqRecord {
-  float* acc;  // the first block
-  u16* out;    // dq at the tile64's first row and the first block's first column
-  int rows;    // the tile64's rows in the sequence
-  int visits;  // additions that complete it
-};
-static_assert(sizeof(DqRecord) <= 32, "SMEM_RECS");
 
 // The first of consumer c's blocks' columns / 64
 __device__ __forceinline__ int dq_col0(int c) { return DQ_SPLIT_ROWS ? 0 : c * DQ_ADD_BLOCKS; }
@@ -398,8 +378,7 @@ __device__ __forceinline__ u32 bar_arrivals(int i) {
 // * log2(e); scale: the softmax scale (dK). unit_counter: two ints, zero between launches; semaphores
 // (DETERMINISTIC): an int per (sequence, query head, query tile, consumer), zero between launches. dq_acc: the dQ
 // accumulator (attention_bwd_layout.cuh), zero before the launch. split_acc: a split unit's fp32 dK and dV sums (BN
-// x D each), zero before the launch. DQ_LAST: dq_out is dq (element strides dq_row, dq_head, dq_batch; batch unused
-// when VARLEN), dq_counts an int per accumulator block (DqRecord), zero between launches, as the accumulator is.
+// x D each), zero before the launch.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     const __grid_constant__ CUtensorMap_st tm_q, const __grid_constant__ CUtensorMap_st tm_k,
     const __grid_constant__ CUtensorMap_st tm_v, const __grid_constant__ CUtensorMap_st tm_do,
@@ -408,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     void* dv_out, i64 dk_row, i64 dk_head, i64 dv_row, i64 dv_head, const int* cu_q, const int* cu_k, int seqlen_q,
     int seqlen_k, int heads_q, int batch, int group, int head_group, int split_from, int split_parts,
     float scale_log2, float scale, float* dq_acc, float* dk_acc, float* dv_acc, int* unit_counter, int* semaphores,
-    int* kv_semaphores, float* split_acc, void* dq_out, i64 dq_row, i64 dq_head, i64 dq_batch, int* dq_counts) {
+    int* kv_semaphores, float* split_acc) {
   const int wg = warpgroup_index();
   if (threadIdx.x == 0) {
     u8* smem = smem_aligned_1024();
@@ -568,38 +547,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
   u32 tiles = 0;
   bool dq_handed = false;  // (DQ_WRITER) the writer has a block of this consumer's that it may not have read yet
   float dv[ACC_KV], dk[ACC_KV];
-  // (DQ_LAST: DqRecord) this consumer's dQ additions so far, the count the previous one's atomic found (thread 0),
-  // its last DQ_RECS additions
-  u32 dq_adds = 0;
-  int dq_seen = 0;
-  DqRecord* const recs = reinterpret_cast<DqRecord*>(smem + SMEM_RECS) + c * DQ_RECS;
-  // Before addition k: the fence orders this thread's red.adds of addition k - 1 before their count and (thread 0)
-  // the count of addition k - 2 before the conversion's reads; the barrier hands both on. Returns whether addition
-  // k - 2 was its blocks' last.
-  const auto dq_settle = [&](u32 k) {
-    fence_acq_rel_gpu();
-    const bool last = named_barrier_any(BAR_WG + c, 128, tid == 0 && k >= 2 && k - 2 < dq_adds &&
-                                                             dq_seen + 1 == recs[(k - 2) % DQ_RECS].visits);
-    if (tid == 0 && k >= 1 && k - 1 < dq_adds && recs[(k - 1) % DQ_RECS].visits > 0)
-      dq_seen = atomic_add_relaxed_gpu(dq_counts + (recs[(k - 1) % DQ_RECS].acc - dq_acc) / DQ_BLOCK, 1);
-    return last;
-  };
-  const auto dq_convert = [&](u32 k) {  // addition k's blocks to dq, then zero (their counter too)
-    const DqRecord r = recs[k % DQ_RECS];
-#pragma unroll
-    for (int b = 0; b < DQ_ADD_BLOCKS; ++b) {
-      float* block = r.acc + b * DQ_BLOCK;
-      f32x4 a[DQ_BLOCK / 4 / 128];
-#pragma unroll
-      for (int g = 0; g < DQ_BLOCK / 4 / 128; ++g) a[g] = ld_cg_f32x4(block + (g * 128 + tid) * 4);
-#pragma unroll
-      for (int g = 0; g < DQ_BLOCK / 4 / 128; ++g) {
-        store_dq_fragment<IN_KIND>(r.out + b * 64, dq_row, r.rows, g, tid, a[g], scale);
-        *reinterpret_cast<u32x4*>(block + (g * 128 + tid) * 4) = u32x4{0, 0, 0, 0};
-      }
-    }
-    if (tid == 0) dq_counts[(r.acc - dq_acc) / DQ_BLOCK] = 0;
-  };
   if (c == CONSUMERS - 1) turn_pass(c);  // consumer 0 issues first
   for (int k = 0;; ++k) {
     // (the unit slot is freed only after the epilogue, which reads the unit from it again)
@@ -655,21 +602,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         red_add_f32x4(block + (g * 128 + tid) * 4, make_float4(acc[4 * g], acc[4 * g + 1], acc[4 * g + 2],
                                                                acc[4 * g + 3]));
     };
-    // (DQ_LAST) an addition of tile m's blocks: dq_add_begin before its red.adds, dq_add_end after (a tile64 past
-    // the sequence adds nothing and counts nothing)
-    const auto dq_add_begin = [&]() { return DQ_LAST && dq_settle(dq_adds); };
-    const auto dq_add_end = [&](int m, bool convert) {
-      if (!DQ_LAST) return;
-      if (tid == 0) {
-        const int tile64 = dq_tile64(m, c);
-        u16* out = reinterpret_cast<u16*>(dq_out) + t.hq * dq_head + dq_col0(c) * 64 +
-                   (VARLEN ? (t.q_off + i64(tile64) * 64) * dq_row : t.b * dq_batch + i64(tile64) * 64 * dq_row);
-        recs[dq_adds % DQ_RECS] = DqRecord{dq_seq + dq_tile(tile64, heads_q, dq_col0(c), D), out, t.sq - tile64 * 64,
-                                           tile64 * 64 < t.sq ? tile_visits(m, t.sq, t.sk, BM, BN, CAUSAL) : 0};
-      }
-      if (convert) dq_convert(dq_adds - 2);
-      ++dq_adds;
-    };
     const auto dq_order_release = [&](int m) {  // (every thread's additions before the turn passes)
       if (!DETERMINISTIC) return;
       named_barrier(BAR_WG + c, 128);
@@ -681,9 +613,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
     };
     const auto store_dq = [&](const float (&acc)[ACC_Q], int m) {  // (not SPLIT_D: one block a tile)
       if (!DQ_WRITER) {
-        const bool convert = dq_add_begin();
         add_dq(acc, m, dq_col0(c));
-        dq_add_end(m, convert);
         return;
       }
       // the block, in its fragment order, to the writer (which keeps the key-block order)
@@ -749,7 +679,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         st.advance();
         // dQ (this consumer's columns) into the accumulator, 64 columns at a time
         dq_order_wait(m);
-        const bool convert = dq_add_begin();
 #pragma unroll 1
         for (int pass = 0; pass < DQ_ADD_BLOCKS; ++pass) {
           if (pass > 0) {
@@ -761,7 +690,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
           }
           add_dq(dq, m, dq_col0(c) + pass);
         }
-        dq_add_end(m, convert);
         dq_order_release(m);
       }
     } else {
@@ -943,10 +871,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
         store_release_gpu(sem, g + 1 == group ? 0 : g + 1);
       }
     }
-  }
-  if (DQ_LAST) {  // the last two additions' counts
-    if (dq_settle(dq_adds)) dq_convert(dq_adds - 2);
-    if (dq_settle(dq_adds + 1)) dq_convert(dq_adds - 1);
   }
   // the writer's read of the last dQ block; the last turn handed round
   if (dq_handed) named_barrier(BAR_DQ_EMPTY + c, 128 + 32);

@@ -10,12 +10,10 @@ constexpr int STAT_PAD = 128;
 // m64n64 wgmma accumulator's fragments: float 4 (128 g + t) + k is register 4 g + k of thread t of the warpgroup,
 // element (row 16 (t / 32) + (t % 32) / 4 + 8 (k / 2), column 8 g + 2 (t % 4) + k % 2). A consumer adds its
 // fragments as they are, 16 bytes a red.global.add and a warp's 32 lanes 512 contiguous bytes, with no staging in
-// shared memory; store_dq_fragment puts the rows back in order. The blocks are [slot][query head][D / 64]: the i-th
+// shared memory; attention_bwd_dq puts the rows back in order. The blocks are [slot][query head][D / 64]: the i-th
 // 64-row tile of sequence b (its first row row0 in the packed rows, or b S_q batched) is slot row0 / 64 + b + i, so
 // no two sequences share a slot (a tile's rows past its sequence are its own), and slots < rows / 64 + batch.
-// The prep kernel clears it before the main kernel, and attention_bwd_dq converts it after; or (DQ_LAST) it is zero
-// between launches (a scratch buffer zeroed once) and the CTA that adds a block's last partial converts it and
-// leaves it zero.
+// The prep kernel clears it before the main kernel, and attention_bwd_dq converts it after.
 constexpr int DQ_BLOCK = 64 * 64;
 
 // The first float of query head h's (of `heads`) blocks in the first slot of the sequence b starting at row row0
@@ -27,25 +25,4 @@ __device__ __forceinline__ i64 dq_sequence(i64 row0, int b, int heads, int h, in
 // From there, the block of the sequence's 64-row tile tile64, columns 64 col_block .. 64 col_block + 63.
 __device__ __forceinline__ i64 dq_tile(int tile64, int heads, int col_block, int d) {
   return (i64(tile64) * heads * (d / 64) + col_block) * DQ_BLOCK;
-}
-
-// Key blocks (of bn keys) whose units visit query tile m (of bm rows) in a sequence of sq queries and sk keys: all
-// ceil(sk / bn) of them, or causal (bottom-right aligned) those with a key j <= i + sk - sq for a query i of the
-// tile: block n sees tile m iff n bn < (m + 1) bm + sk - sq.
-__device__ __forceinline__ int tile_visits(int m, int sq, int sk, int bm, int bn, bool causal) {
-  const int blocks = (sk + bn - 1) / bn;
-  if (!causal) return blocks;
-  const int x = (m + 1) * bm + sk - sq;
-  return x <= 0 ? 0 : min(blocks, (x + bn - 1) / bn);
-}
-
-// Fragment float4 g of thread t of a block (its 4 floats a) times scale, as 16 bits into a 64-column tile of dq at
-// out (row stride out_row): rows r and r + 8, columns c and c + 1, those among the first `rows` rows.
-template <int KIND>
-__device__ __forceinline__ void store_dq_fragment(u16* out, i64 out_row, int rows, int g, int t, f32x4 a,
-                                                  float scale) {
-  const int r = 16 * (t / 32) + t % 32 / 4, col = 8 * g + 2 * (t % 4);
-  if (r < rows) *reinterpret_cast<u32*>(out + r * out_row + col) = pack_f32x2<KIND>(a.x * scale, a.y * scale);
-  if (r + 8 < rows)
-    *reinterpret_cast<u32*>(out + (r + 8) * out_row + col) = pack_f32x2<KIND>(a.z * scale, a.w * scale);
 }

@@ -1,9 +1,8 @@
 // The row-wise kernels around the attention backward (attention_bwd.cu), one CTA per (64-row query tile, query head,
 // sequence), four threads a row:
 // - attention_bwd_prep: dPsum = rowsum(dO * O) in fp32 and the LSE in base 2 (LSE log2 e) into the stats rows the
-//   main kernel loads a tile at a time, and the tile's slot of the fp32 dQ accumulator cleared, or (dq_last: the
-//   main kernel converts the accumulator and leaves it zero) dq = 0 for a tile that no key block sees. Every row of
-//   a visited tile is written: rows past the sequence, and rows that saw no key in the forward (LSE -inf), get LSE
+//   main kernel loads a tile at a time, and the tile's slot of the fp32 dQ accumulator cleared. Every row of a
+//   visited tile is written: rows past the sequence, and rows that saw no key in the forward (LSE -inf), get LSE
 //   +inf (so P = 0) and dPsum 0.
 // - attention_bwd_dq: dQ = accumulator * softmax scale, to 16 bits (the accumulator's fragment order undone).
 // - attention_bwd_rows: fp32 rows [rows, heads, D] to 16 bits (GQA: the dK and dV sums).
@@ -77,14 +76,12 @@ __device__ __forceinline__ float dot8(u32x4 a, u32x4 b) {
   return s;
 }
 
-// o / dout / dq: element strides row, head, batch (batch unused when VARLEN). lse: the forward's, element (b, h, i)
-// at b * lse_b + h * lse_h + q_off + i. stats: LSE rows, then (heads * stat_head floats on) dPsum rows. cu_k /
-// seqlen_k, bm, bn, causal: the main kernel's keys, tiles and mask (tile_visits).
+// o / dout: element strides row, head, batch (batch unused when VARLEN). lse: the forward's, element (b, h, i) at
+// b * lse_b + h * lse_h + q_off + i. stats: LSE rows, then (heads * stat_head floats on) dPsum rows.
 extern "C" __global__ void __launch_bounds__(256) attention_bwd_prep(
     const void* o, i64 o_row, i64 o_head, i64 o_batch, const void* dout, i64 do_row, i64 do_head, i64 do_batch,
-    const float* lse, i64 lse_b, i64 lse_h, float* stats, i64 stat_head, float* dq_acc, void* dq, i64 dq_row,
-    i64 dq_head, i64 dq_batch, const int* cu_q, int seqlen_q, const int* cu_k, int seqlen_k, int bm, int bn,
-    int causal, int dq_last) {
+    const float* lse, i64 lse_b, i64 lse_h, float* stats, i64 stat_head, float* dq_acc, const int* cu_q,
+    int seqlen_q) {
   pdl_wait();
   const int h = blockIdx.y, heads = gridDim.y, part = threadIdx.x % 4;
   const RowTile t = row_tile(cu_q, seqlen_q);
@@ -102,20 +99,11 @@ extern "C" __global__ void __launch_bounds__(256) attention_bwd_prep(
       dot += dot8(ld_stream_16(orow + col), ld_stream_16(drow + col));
     }
   }
-  if (!dq_last && int(blockIdx.x) * ROWS < t.sq) {  // the tile's slot (a tile past the sequence: not its slot)
+  if (int(blockIdx.x) * ROWS < t.sq) {  // the tile's slot (a tile past the sequence: not its slot)
     float* block = dq_acc + dq_sequence(t.row0, t.b, heads, h, D) + dq_tile(blockIdx.x, heads, 0, D);
 #pragma unroll
     for (int i = 0; i < ROWS * D / 4 / 256; ++i)
       *reinterpret_cast<u32x4*>(block + (i * 256 + threadIdx.x) * 4) = u32x4{0, 0, 0, 0};
-  }
-  if (dq_last && live) {  // a tile no key block sees: dq = 0 here (the main kernel adds nothing there)
-    const int sk = VARLEN ? __ldg(cu_k + t.b + 1) - __ldg(cu_k + t.b) : seqlen_k;
-    if (tile_visits(t.row / bm, t.sq, sk, bm, bn, causal) == 0) {
-      u16* drow = reinterpret_cast<u16*>(dq) + (VARLEN ? 0 : t.b * dq_batch) +
-                  (VARLEN ? t.acc_row : t.row) * dq_row + h * dq_head;
-#pragma unroll
-      for (int v = 0; v < VECS; ++v) *reinterpret_cast<u32x4*>(drow + (v * 4 + part) * 8) = u32x4{0, 0, 0, 0};
-    }
   }
   dot += __shfl_xor_sync(0xffffffffu, dot, 1);
   dot += __shfl_xor_sync(0xffffffffu, dot, 2);

@@ -84,23 +84,9 @@ def test_bad_input_raises_before_any_launch(over, err, match):
 
 @pytest.mark.parametrize("d", bwd.HEAD_DIMS)
 def test_default_tiles_fit_shared_memory(d):
-    for det, last in ((False, False), (False, True), (True, False)):
-        cfg = bwd.pick_config(d, deterministic=det, dq_last=last)
+    for det in (False, True):
+        cfg = bwd.pick_config(d, deterministic=det)
         assert cfg.smem <= bwd.SMEM_BUDGET and cfg.bm in (64, 128) and cfg.bn == (64 if d == 256 else 128)
-
-
-def test_dq_last_only_where_units_are_short():
-    """The main kernel converts dQ itself only where asked to (docs/tuning.md: off by default since the dq pass
-    takes half the time it did; at 8 tiles, units averaging at most 8 query tiles of 64 rows), never in
-    deterministic mode."""
-    assert not any(bwd.uses_dq_last(s, c, False) for s in (64, 512, 1024, 4096) for c in (False, True))
-    eight = bwd.AttnBwdTuning(dq_last_tiles=8)
-    assert bwd.uses_dq_last(512, False, False, eight) and bwd.uses_dq_last(512, True, False, eight)
-    assert not bwd.uses_dq_last(1024, False, False, eight) and not bwd.uses_dq_last(1024, True, False, eight)
-    assert bwd.uses_dq_last(900, True, False, eight)  # ((15 + 1) / 2 tiles)
-    assert not bwd.uses_dq_last(4096, True, False, eight)
-    assert not bwd.uses_dq_last(512, True, True, eight)
-    assert not bwd.uses_dq_last(512, False, False, bwd.AttnBwdTuning(dq_last_tiles=0))
 
 
 @pytest.mark.parametrize("d,tile", [(64, (64, 128, 2)), (128, (128, 128, 2)), (256, (64, 128, 2))])

@@ -8,9 +8,6 @@ Three kernels run in order on the stream (ptx/attention_bwd_prep.cu, ptx/attenti
   and dV in registers and add each tile's dQ partial into the accumulator straight from their registers (kept in
   wgmma fragment order, ptx/attention_bwd_layout.cuh; in a fixed order with `deterministic`);
 - dq: accumulator * softmax scale -> dq's dtype (GQA: the fp32 dK and dV sums too).
-Short sequences (`uses_dq_last`, not deterministic) skip the accumulator's clearing and the dq pass: the main
-kernel's CTA that adds a block's last partial converts it to dq and leaves it zero (the accumulator is then a
-scratch buffer that stays zero between calls), and prep writes dq = 0 where no key block sees a query tile.
 This module validates every call before any launch, picks the config, builds the tensor maps and launches.
 """
 from __future__ import annotations
@@ -35,11 +32,10 @@ from .sm90 import MapLayout
 HEAD_DIMS = (64, 128, 256)
 ROWS_PREP = 64  # query rows a CTA of the row kernels (ptx/attention_bwd_prep.cu)
 STAT_PAD = 128  # the LSE / dPsum rows' padding (both kernels)
-_MAIN_ARGS = ("tmap",) * 7 + ("ptr", "ptr", "i64", "i64", "i64", "i64", "ptr", "ptr", "i32", "i32", "i32", "i32",
-                              "i32", "i32", "i32", "i32", "f32", "f32", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr",
-                              "ptr", "i64", "i64", "i64", "ptr")
+_MAIN_ARGS = ("tmap",) * 7 + ("ptr", "ptr", "i64", "i64", "i64", "i64", "ptr", "ptr") + ("i32",) * 8 + ("f32",) * 2 \
+    + ("ptr",) * 7
 _PREP_ARGS = ("ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "i64", "ptr", "i64", "i64", "ptr", "i64", "ptr",
-              "ptr", "i64", "i64", "i64", "ptr", "i32", "ptr", "i32", "i32", "i32", "i32", "i32")
+              "ptr", "i32")
 _DQ_ARGS = ("ptr", "ptr", "i64", "i64", "i64", "ptr", "i32", "f32")
 _SPLIT_KV_ARGS = ("ptr",) + ("ptr", "i64", "i64", "i64") * 2 + ("i32",) * 5
 
@@ -58,10 +54,6 @@ class AttnBwdTuning:
     unit_overhead_tiles: float = 1.0
     part_overhead_tiles: float = 1.0
     pdl: bool = True
-    # not deterministic: dQ converted by the main kernel (DQ_LAST: no accumulator clearing or dq pass, but a
-    # gpu-scope fence a tile) where the units average at most this many 64-row query tiles (uses_dq_last); off
-    # since the dq pass's rewrite (dc9c746): the passes now cost less than the fences at every size measured
-    dq_last_tiles: float = 0.0
 
 
 TUNING = AttnBwdTuning()
@@ -77,48 +69,36 @@ class AttnBwdConfig:
     threads: int = 384
 
 
-def smem_bytes(bm: int, bn: int, d: int, stages: int, deterministic: bool = False, dq_last: bool = False) -> int:
+def smem_bytes(bm: int, bn: int, d: int, stages: int, deterministic: bool = False) -> int:
     """Mirror of ptx/attention_bwd.cu (which checks it against the launch's: SMEM_LAUNCH): K (two buffers; one at
     head dim 256) and V, the Q and dO rings, two dS^T tiles (head dim 256: within the epilogue's staging for dK and
     dV), the consumers' 64 x 64 fp32 dQ blocks (deterministic mode, head dims 64 and 128), the LSE and dPsum rows of
-    each stage, the barriers and unit slots, (dq_last) the consumers' records of their last 4 dQ additions, 1 KB of
-    alignment slack."""
+    each stage, the barriers and unit slots, 1 KB of alignment slack."""
     exchange = 2 * bn * d if d == 256 else 2 * bn * bm * 2  # (256: the dK / dV staging)
     if deterministic and d != 256:
         exchange += 2 * 64 * 64 * 4
     k_bufs = 1 if d == 256 else 2  # (the next unit's K loads while this one runs)
     return ((k_bufs + 1) * bn * d * 2 + 2 * stages * bm * d * 2 + exchange + 2 * stages * bm * 4
-            + (4 * stages + 14) * 8 + 8 + (2 * 4 * 32 if dq_last else 0) + 1024)
+            + (4 * stages + 14) * 8 + 8 + 1024)
 
 
-def pick_config(d: int, tuning: AttnBwdTuning = TUNING, deterministic: bool = False,
-                dq_last: bool = False) -> AttnBwdConfig:
+def pick_config(d: int, tuning: AttnBwdTuning = TUNING, deterministic: bool = False) -> AttnBwdConfig:
     bm, bn, stages = dict(tuning.tiles)[d]
     # (ptx/attention_bwd.cu: a consumer's dQ is one 64 x 64 block a tile, its dK and dV 64 keys)
     if (bm, bn) != ((128, 128) if d == 64 else (64, 64) if d == 256 else (64, 128)):
         raise ValueError(f"attention backward tile {bm}x{bn} at head dim {d} is not one the kernel takes (query rows "
                          f"x keys: 128 x 128 at head dim 64, 64 x 128 at 128, 64 x 64 at 256)")
-    smem = smem_bytes(bm, bn, d, stages, deterministic, dq_last)
+    smem = smem_bytes(bm, bn, d, stages, deterministic)
     if smem > SMEM_BUDGET:
         raise ValueError(f"attention backward tile {bm}x{bn}x{d} with {stages} stages needs {smem} bytes of shared "
                          f"memory")
     return AttnBwdConfig(bm, bn, stages, d, smem)
 
 
-def uses_dq_last(seqlen_q: int, causal: bool, deterministic: bool, tuning: AttnBwdTuning = TUNING) -> bool:
-    """Whether the main kernel converts dQ itself (DQ_LAST): where its units average at most
-    `tuning.dq_last_tiles` 64-row query tiles (a sequence's; causal, with S_q = S_k, about half of them), the
-    accumulator's clearing and conversion passes cost more than the fence an addition it takes instead (counted in
-    the accumulator's 64-row blocks: head dim 64's 128-row tiles measured as two)."""
-    tiles = -(-seqlen_q // 64)
-    return not deterministic and ((tiles + 1) / 2 if causal else tiles) <= tuning.dq_last_tiles
-
-
-def _main_defines(dtype, cfg: AttnBwdConfig, causal: bool, varlen: bool, deterministic: bool,
-                  dq_last: bool = False) -> dict:
+def _main_defines(dtype, cfg: AttnBwdConfig, causal: bool, varlen: bool, deterministic: bool) -> dict:
     return {"IN_KIND": _KIND[dtype], "HEAD_DIM": cfg.head_dim, "BM": cfg.bm, "BN": cfg.bn, "STAGES": cfg.stages,
             "CAUSAL": int(causal), "VARLEN": int(varlen), "DETERMINISTIC": int(deterministic),
-            "DQ_LAST": int(dq_last), "SMEM_LAUNCH": cfg.smem}
+            "SMEM_LAUNCH": cfg.smem}
 
 
 def _row_defines(dtype, d: int, varlen: bool) -> dict:
@@ -133,10 +113,10 @@ def variants():
         for dtype in (dt.bfloat16, dt.float16) if d == 128 else (dt.bfloat16,):
             for varlen in (False, True):
                 for causal in (False, True):
-                    for det, last in ((False, False), (False, True), (True, False)):
-                        cfg = pick_config(d, deterministic=det, dq_last=last)
+                    for det in (False, True):
+                        cfg = pick_config(d, deterministic=det)
                         out.append(("attention_bwd.cu", "attention_bwd_kernel",
-                                    _main_defines(dtype, cfg, causal, varlen, det, last), cfg.smem))
+                                    _main_defines(dtype, cfg, causal, varlen, det), cfg.smem))
                 for entry in ("attention_bwd_prep", "attention_bwd_dq", "attention_bwd_rows") + (
                         () if varlen else ("attention_bwd_split_kv",)):
                     out.append(("attention_bwd_prep.cu", entry, _row_defines(dtype, d, varlen), 0))
@@ -204,8 +184,6 @@ class _Plan:
     stat_head: int
     run_main: bool
     run_rows: bool
-    run_dq: bool        # the accumulator -> dq by attention_bwd_dq (else by the main kernel: DQ_LAST)
-    causal: bool
     kv_acc_floats: int  # GQA: the fp32 dK (and dV) accumulator's size, else 0
     kv_grid: tuple      # (the dK / dV conversion's grid)
     split_kv: object    # the split units' dK / dV conversion (None: no split units, or GQA)
@@ -215,11 +193,10 @@ class _Plan:
 
 def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, tuning: AttnBwdTuning) -> _Plan:
     dov, qv, kv, vv, ov, lv, dqv, dkv, dvv = arrays
-    dq_last = uses_dq_last(dims.seqlen_q, causal, deterministic, tuning)
-    cfg = pick_config(dims.head_dim, tuning, deterministic, dq_last)
+    cfg = pick_config(dims.head_dim, tuning, deterministic)
     dev = qv.device
     main = get_launcher("attention_bwd.cu", "attention_bwd_kernel",
-                        _main_defines(qv.dtype, cfg, causal, dims.varlen, deterministic, dq_last), dev, _MAIN_ARGS,
+                        _main_defines(qv.dtype, cfg, causal, dims.varlen, deterministic), dev, _MAIN_ARGS,
                         (cfg.threads,), cfg.smem, pdl=tuning.pdl)
     row_defs = _row_defines(qv.dtype, dims.head_dim, dims.varlen)
     prep = get_launcher("attention_bwd_prep.cu", "attention_bwd_prep", row_defs, dev, _PREP_ARGS, (256,), 0,
@@ -245,8 +222,7 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
     group = dims.heads_q // dims.heads_kv
     scalars = (dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.batch, group, causal_head_group(dims, tuning),
                units - split_units, parts, scale * math.log2(math.e), scale)
-    dq_acc = dq_acc_floats(dims, rows_q)  # (dq_last: zero between calls, the kernels leave it so)
-    scratch = (("attn_bwd_dq", dq_acc * 4, dq_last),
+    scratch = (("attn_bwd_dq", dq_acc_floats(dims, rows_q) * 4, False),
                ("attn_bwd_stats", 2 * dims.heads_q * stat_head * 4, False),
                ("attention_units", 8, True))
     rows_k = kv.shape[0] if dims.varlen else dims.batch * dims.seqlen_k
@@ -262,16 +238,13 @@ def _plan(arrays, dims: Dims, causal: bool, scale: float, deterministic: bool, t
         split_kv = get_launcher("attention_bwd_prep.cu", "attention_bwd_split_kv", row_defs, dev, _SPLIT_KV_ARGS,
                                 (256,), 0, pdl=tuning.pdl)
         split_grid = (split_units, 2, -(-cfg.bn // ROWS_PREP))
-    if dq_last:  # (an int per 64 x 64 accumulator block)
-        scratch += (("attn_bwd_dq_count", dq_acc // (64 * 64) * 4, True),)
     if deterministic:
         # (an int per query tile and consumer)
         scratch += (("attn_bwd_order", dims.batch * dims.heads_q * m_blocks * 4 * 2, True),
                     ("attn_bwd_kv_order", dims.batch * dims.heads_kv * max(n_blocks, 1) * 4, True))
     kv_grid = (max(1, -(-dims.seqlen_k // ROWS_PREP)), dims.heads_kv, dims.batch)
     return _Plan(cfg, main, prep, post, rows, grid, row_grid, maps, scalars, scratch, stat_head,
-                 run_main=units > 0, run_rows=m_prep > 0 and dims.batch > 0, run_dq=not dq_last, causal=causal,
-                 kv_acc_floats=kv_acc_floats,
+                 run_main=units > 0, run_rows=m_prep > 0 and dims.batch > 0, kv_acc_floats=kv_acc_floats,
                  kv_grid=kv_grid, split_kv=split_kv, split_grid=split_grid)
 
 
@@ -375,8 +348,7 @@ def _launch(plan: _Plan, dims: Dims, h: int, arrays) -> None:
     ptrs = (dov.ptr, qv.ptr, kv.ptr, vv.ptr, ov.ptr, lv.ptr, 0 if cq is None else cq.ptr,
             0 if ck is None else ck.ptr, dqv.ptr, dkv.ptr, dvv.ptr, scratch["attn_bwd_dq"], scratch["attn_bwd_stats"],
             scratch["attention_units"], scratch.get("attn_bwd_order", 0), scratch.get("attn_bwd_kv_order", 0),
-            dkv_acc, dkv_acc + 4 * plan.kv_acc_floats if dkv_acc else 0, scratch.get("attn_bwd_split", 0),
-            scratch.get("attn_bwd_dq_count", 0))
+            dkv_acc, dkv_acc + 4 * plan.kv_acc_floats if dkv_acc else 0, scratch.get("attn_bwd_split", 0))
     args = plan.memo.get(ptrs)
     if args is None:
         args = plan.memo.add(ptrs, _args(plan, dims, (dov, qv, ov, lv, dqv, dkv, dvv), ptrs))
@@ -393,7 +365,7 @@ def _launch(plan: _Plan, dims: Dims, h: int, arrays) -> None:
             plan.split_kv.run(plan.split_grid, h, split_args)
         for a in kv_post_args:
             plan.rows.run(plan.kv_grid, h, a)
-    if plan.run_rows and plan.run_dq:
+    if plan.run_rows:
         plan.post.run(plan.row_grid, h, post_args)
 
 
@@ -405,14 +377,13 @@ def _result(native, views, given) -> tuple:
 def _args(plan: _Plan, dims: Dims, arrays, ptrs) -> tuple:
     dov, qv, ov, lv, dqv, dkv, dvv = arrays
     do_p, q_p, k_p, v_p, o_p, lse_p, cq_p, ck_p, dq_p, dk_p, dv_p, acc, stats, counter, order, kv_order, dk_acc, \
-        dv_acc, split, dq_counts = ptrs
+        dv_acc, split = ptrs
     maps = sm90.thread_maps()
     m_q, m_k, m_v, m_do, m_dk, m_dv, m_stats = plan.maps
     lse_b, lse_h = (0, lv.strides[0]) if dims.varlen else (lv.strides[0], lv.strides[1])
     seqlen_q = dims.seqlen_q
     prep = (o_p, *_strides(ov, dims.varlen), do_p, *_strides(dov, dims.varlen), lse_p, lse_b, lse_h, stats,
-            plan.stat_head, acc, dq_p, *_strides(dqv, dims.varlen), cq_p, seqlen_q, ck_p, dims.seqlen_k, plan.cfg.bm,
-            plan.cfg.bn, int(plan.causal), int(not plan.run_dq))
+            plan.stat_head, acc, cq_p, seqlen_q)
     post = (acc, dq_p, *_strides(dqv, dims.varlen), cq_p, seqlen_q, plan.scalars[-1])
     kv_post = ((dk_acc, dk_p, *_strides(dkv, dims.varlen), ck_p, dims.seqlen_k, 1.0),
                (dv_acc, dv_p, *_strides(dvv, dims.varlen), ck_p, dims.seqlen_k, 1.0)) if plan.kv_acc_floats else ()
@@ -422,8 +393,7 @@ def _args(plan: _Plan, dims: Dims, arrays, ptrs) -> tuple:
     dv_row, dv_head, _ = _strides(dvv, dims.varlen)
     main = (maps.get(m_q, q_p), maps.get(m_k, k_p), maps.get(m_v, v_p), maps.get(m_do, do_p), maps.get(m_dk, dk_p),
             maps.get(m_dv, dv_p), maps.get(m_stats, stats), dk_p, dv_p, dk_row, dk_head, dv_row, dv_head, cq_p, ck_p,
-            *plan.scalars, acc, dk_acc, dv_acc, counter, order, kv_order, split, dq_p, *_strides(dqv, dims.varlen),
-            dq_counts)
+            *plan.scalars, acc, dk_acc, dv_acc, counter, order, kv_order, split)
     seqlen_k, heads_q, split_from = plan.scalars[1], plan.scalars[2], plan.scalars[6]
     split_kv = (split, dk_p, *_strides(dkv, False), dv_p, *_strides(dvv, False), split_from,
                 -(-seqlen_k // plan.cfg.bn), heads_q, seqlen_k, plan.cfg.bn) if plan.split_kv is not None else None

@@ -432,8 +432,3 @@ __device__ __forceinline__ bool named_barrier_all(int id, int threads, bool pred
       : "=r"(all) : "r"(u32(pred)), "r"(id), "r"(threads) : "memory");
   return warp_uniform(int(all)) != 0;
 }
-
-// named_barrier that also returns whether `pred` holds in any participating thread (warp-uniform).
-__device__ __forceinline__ bool named_barrier_any(int id, int threads, bool pred) {
-  return !named_barrier_all(id, threads, !pred);
-}
