@@ -18,7 +18,9 @@ def cmd_info(args) -> int:
         for d in range(driver.device_count()):
             p = driver.device_properties(d)
             print(f"device {d}: {p.name}, sm_{p.compute_capability[0]}{p.compute_capability[1]}, {p.sm_count} SMs, "
-                  f"{p.smem_per_block_optin} B smem/block, L2 {p.l2_bytes >> 20} MiB (compiles for {p.arch})")
+                  f"{p.smem_per_block_optin} B smem/block, L2 {p.l2_bytes >> 20} MiB, SM clock {p.sm_clock_khz // 1000} "
+                  f"MHz, DRAM {p.dram_bytes_per_s / 1e9:.0f} GB/s peak, copy {p.stream_bytes_per_s / 1e9:.0f} GB/s"
+                  f" (compiles for {p.arch})")
         v = driver.driver_version()
         print(f"driver: CUDA {v // 1000}.{v % 1000 // 10}")
     else:

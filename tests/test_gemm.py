@@ -10,7 +10,8 @@ from cudart_kernels.ops import sm90
 from cudart_kernels.ops.sm90 import MapLayout
 from cudart_kernels.runtime.plans import PLANS
 from cudart_kernels.runtime import dtypes as dt
-from cudart_kernels.runtime.driver import H100
+from cudart_kernels.runtime import driver
+from cudart_kernels.runtime.driver import H100, H200
 from cudart_kernels.runtime.interop import DeviceArray
 
 FAKE = 0x7F0000000000
@@ -91,6 +92,22 @@ def test_config_choices():
     # enough tiles: no split
     for m, n, k in g.BENCH_SHAPES["large"]:
         assert g.pick_config(m, n, k, 2, H100).splits == 1
+
+
+def test_picks_take_the_device_figures(monkeypatch):
+    # An H200 has the H100's SMs and shared memory: the compute-bound picks are the same; the split model's byte
+    # floor follows the device's copy rate (256x256x65536 in 128 x 128 x 32 units: bound by the operand bytes)
+    for m, n, k in g.BENCH_SHAPES["large"]:
+        assert g.pick_config(m, n, k, 2, H200) == g.pick_config(m, n, k, 2, H100)
+    est = {p: g.split_time_us(256, 256, 65536, 128, 128, 32, p) for p in (H100, H200)}
+    floor = {p: 512 * 65536 * 2 / (p.stream_bytes_per_s * g.TUNING.stream_efficiency) * 1e6 for p in (H100, H200)}
+    assert est[H100] - est[H200] == pytest.approx(floor[H100] - floor[H200])
+    for m, n, k in g.BENCH_SHAPES["skinny"]:
+        cfg = g.pick_config(m, n, k, 2, H200)
+        assert cfg.smem <= H200.smem_per_block_optin and cfg.stages >= 2
+    # the copy rate a process uses: CUDART_KERNELS_STREAM_BW where set (no measurement, nothing kept)
+    monkeypatch.setenv("CUDART_KERNELS_STREAM_BW", "1.5e12")
+    assert driver.stream_rate(0, "any", 3e12, 50 << 20) == 1.5e12
 
 
 def test_multicast_and_tile_order():

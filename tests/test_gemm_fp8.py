@@ -99,6 +99,8 @@ def test_config_choices():
     cont = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=256)
     assert (cont.bm, cont.bn, cont.mcast) == (256, 128, g.MCAST_SHARE_A)
     assert f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=64).bm == 64
+    with pytest.raises(ValueError, match="force_tile has 256 rows"):  # a forced tile may not pass the alignment
+        f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=128, tuning=f.Fp8Tuning(force_tile=(256, 128)))
     # memory-bound shapes never take 256 columns (one wave of them lost to two of 128 x 128)
     assert f.pick_config(128, 32768, 512, H100).bn == 128
     # masked, 1024 rows in one group: 256 x 128 (4096 x 7168: 4 waves x 53.7 against 6 x 43.3 for 128 x 192)

@@ -17,6 +17,11 @@ def test_device_properties():
     assert p.sm_count > 0 and p.l2_bytes > 0 and p.smem_per_block_optin >= 48 * 1024
     if p.compute_capability == (9, 0):
         assert p.arch == "sm_90a" and p.smem_per_block_optin == 232448
+        # the copy rate: measured once, kept beside the cubins, read back by the next process (the same figure)
+        assert 0.5 * p.dram_bytes_per_s <= p.stream_bytes_per_s <= 1.02 * p.dram_bytes_per_s
+        assert p.sm_clock_khz > 500_000
+        kept = list(compiler.cache_dir().glob("device-*.json"))
+        assert kept and driver.stream_rate(0, p.name, p.dram_bytes_per_s, p.l2_bytes) == p.stream_bytes_per_s
 
 
 @pytest.fixture

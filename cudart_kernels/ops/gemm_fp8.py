@@ -211,6 +211,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     k_blocks = -(-(k // groups if layout == KGROUPED else k) // BK)  # one tile's k blocks
     if t.force_tile is not None:
         bm, bn = t.force_tile
+        if bm > max_bm:  # (contiguous: a tile taller than the segment alignment would span two experts)
+            raise ValueError(f"force_tile has {bm} rows; this call allows at most {max_bm} (the alignment)")
         splits = t.force_splits or 1
         tiles_m = -(-(groups * -(-m // bm) * bm if per_group else m) // bm)
     elif bm == 128 and tiles_m >= 2 and n > 128:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import threading
 from dataclasses import dataclass
@@ -166,6 +167,13 @@ def use_device(device: int) -> None:
     _switch_to(device)
 
 
+# The copy rate of the H100 SXM the heuristics' constants were fitted on (device-to-device, read + write counted;
+# `cudart-kernels bench` prints it: 2996 GB/s, 2026-11-27), and what share of the peak a copy reaches where it
+# cannot be measured (2.996 / 3.35).
+FIT_STREAM_BYTES_PER_S = 2.996e12
+COPY_SHARE = 0.894
+
+
 @dataclass(frozen=True)
 class DeviceProperties:
     name: str
@@ -174,6 +182,8 @@ class DeviceProperties:
     smem_per_block_optin: int  # bytes a block may opt in to (232448 on H100)
     l2_bytes: int
     dram_bytes_per_s: float = 3.35e12  # peak: 2 x memory clock x bus width (H100 SXM: 3.35 TB/s)
+    stream_bytes_per_s: float = FIT_STREAM_BYTES_PER_S  # measured copy rate, read + write (stream_rate)
+    sm_clock_khz: int = 1980000  # the SMs' highest clock
 
     @property
     def arch(self) -> str:
@@ -184,10 +194,14 @@ class DeviceProperties:
 
 # What config heuristics assume when no GPU is present (compile-ahead, CPU tests): an H100 SXM.
 H100 = DeviceProperties("NVIDIA H100 (assumed)", (9, 0), 132, 232448, 50 * 1024 * 1024)
+# An H200 SXM for the CPU tests of the picks: the H100's SMs and L2 with 4.8 TB/s of HBM3e (copy rate assumed at
+# the H100's share of the peak).
+H200 = DeviceProperties("NVIDIA H200 (assumed)", (9, 0), 132, 232448, 50 * 1024 * 1024, 4.8e12, 4.8e12 * COPY_SHARE)
 
 
 @functools.lru_cache(maxsize=None)
 def device_properties(device: int = 0) -> DeviceProperties:
+    """The device's figures the heuristics use: attributes, and for a Hopper GPU its copy rate (stream_rate)."""
     if not gpu_available():
         return H100
     dev = check(cu.cuDeviceGet(device))
@@ -197,16 +211,95 @@ def device_properties(device: int = 0) -> DeviceProperties:
         return check(cu.cuDeviceGetAttribute(a, dev))
 
     name = check(cu.cuDeviceGetName(256, dev)).split(b"\0", 1)[0].decode()
+    cc = (attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR), attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR))
+    l2 = attr(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+    peak = (2.0 * attr(A.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE) * 1e3
+            * attr(A.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH) / 8)
     return DeviceProperties(
         name=name,
-        compute_capability=(attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
-                            attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)),
+        compute_capability=cc,
         sm_count=attr(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
         smem_per_block_optin=attr(A.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
-        l2_bytes=attr(A.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE),
-        dram_bytes_per_s=2.0 * attr(A.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE) * 1e3
-        * attr(A.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH) / 8,
+        l2_bytes=l2,
+        dram_bytes_per_s=peak,
+        stream_bytes_per_s=stream_rate(device, name, peak, l2) if cc == (9, 0) else peak * COPY_SHARE,
+        sm_clock_khz=attr(A.CU_DEVICE_ATTRIBUTE_CLOCK_RATE),
     )
+
+
+def stream_rate(device: int, name: str, peak: float, l2_bytes: int) -> float:
+    """The device's copy rate in bytes/s (read + write): CUDART_KERNELS_STREAM_BW if set, else measured once per
+    device (device-to-device copies of buffers 4x L2, some milliseconds; the best of three batches, so that a
+    moment of other work on the GPU does not count) and kept in the kernel cache directory beside the cubins,
+    keyed by the device's UUID and peak; processes sharing the cache measure one at a time and then read it.
+    Where it cannot be measured (no memory free) or the figure is implausible (under 60% of the peak: the GPU
+    was busy), COPY_SHARE of the peak for this process, nothing kept."""
+    env = os.environ.get("CUDART_KERNELS_STREAM_BW")
+    if env:
+        return float(env)
+    from .compiler import _entry_lock, cache_dir  # (the compiler imports this module)
+
+    uuid = bytes(check(cu.cuDeviceGetUuid(check(cu.cuDeviceGet(device)))).bytes).hex()
+    path = cache_dir() / f"device-{uuid}.json"
+
+    def kept():
+        try:
+            k = json.loads(path.read_text())
+            return float(k["stream_bytes_per_s"]) if k.get("name") == name and k.get("peak") == peak else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    rate = kept()
+    if rate is not None:
+        return rate
+    with _entry_lock(path):
+        rate = kept()  # (measured by another process while this one waited)
+        if rate is not None:
+            return rate
+        try:
+            rate = max(_measure_copy_rate(device, max(256 << 20, 4 * l2_bytes)) for _ in range(3))
+        except CudaError:
+            return peak * COPY_SHARE
+        if rate < 0.6 * peak:
+            return peak * COPY_SHARE
+        try:
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"name": name, "peak": peak, "stream_bytes_per_s": rate}))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # an unwritable cache: measured again by the next process
+    return rate
+
+
+def _measure_copy_rate(device: int, nbytes: int, copies: int = 4) -> float:
+    """One untimed copy, then `copies` timed back to back on a stream of our own, in the device's primary context
+    pushed over the caller's (no context switch left behind), with this thread's capture mode relaxed so that a
+    graph being captured elsewhere does not forbid the allocations."""
+    check(cu.cuCtxPushCurrent(primary_context(device)))
+    mode = check(cu.cuThreadExchangeStreamCaptureMode(cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+    bufs, stream, events = [], None, []
+    try:
+        bufs = [check(cu.cuMemAlloc(nbytes)) for _ in range(2)]
+        stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+        events = [check(cu.cuEventCreate(0)) for _ in range(2)]
+        check(cu.cuMemsetD8Async(bufs[0], 0x5A, nbytes, stream))
+        for i in range(1 + copies):
+            if i == 1:
+                check(cu.cuEventRecord(events[0], stream))
+            check(cu.cuMemcpyDtoDAsync(bufs[1], bufs[0], nbytes, stream))
+        check(cu.cuEventRecord(events[1], stream))
+        check(cu.cuEventSynchronize(events[1]))
+        ms = check(cu.cuEventElapsedTime(events[0], events[1]))
+        return 2.0 * nbytes * copies / (ms * 1e-3)
+    finally:
+        for e in events:
+            cu.cuEventDestroy(e)
+        if stream is not None:
+            cu.cuStreamDestroy(stream)
+        for b in bufs:
+            cu.cuMemFree(b)
+        cu.cuThreadExchangeStreamCaptureMode(mode)
+        cu.cuCtxPopCurrent()
 
 
 def target_arch(device: int | None = 0) -> str:
