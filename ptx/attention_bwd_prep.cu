@@ -52,12 +52,6 @@ __device__ __forceinline__ RowTile row_tile(const int* cu_q, int seqlen_q) {
   return t;
 }
 
-// 16 fp32 bytes in one load (a cast to f32x4, a 4-byte aligned struct, loads them 4 bytes at a time).
-__device__ __forceinline__ f32x4 ld_f32x4(const float* p) {
-  const u32x4 v = ld_stream_16(p);
-  return f32x4{__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w)};
-}
-
 __device__ __forceinline__ float dot8(u32x4 a, u32x4 b) {
   const u32 x[4] = {a.x, a.y, a.z, a.w}, y[4] = {b.x, b.y, b.z, b.w};
   float s = 0.f;
@@ -138,7 +132,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_bwd_dq(const float* 
     const float* block = dq_acc + dq_sequence(t.row0, t.b, heads, h, D) + dq_tile(blockIdx.x, heads, 0, D);
     f32x4 a[DQ_LOADS];
 #pragma unroll
-    for (int j = 0; j < DQ_LOADS; ++j) a[j] = ld_f32x4(block + (j * 256 + threadIdx.x) * 4);
+    for (int j = 0; j < DQ_LOADS; ++j) a[j] = ld_stream_f32x4(block + (j * 256 + threadIdx.x) * 4);
 #pragma unroll
     for (int j = 0; j < DQ_LOADS; ++j) {  // float4 i = j 256 + thread: block i / 1024, fragment g, thread tt
       const int i = j * 256 + threadIdx.x, g = i / 128 % 8, tt = i % 128;
@@ -177,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(256) attention_bwd_rows(const float
 #pragma unroll
   for (int v = 0; v < VECS; ++v) {
     const int col = (v * 4 + part) * 8;
-    const f32x4 a = ld_f32x4(row + col), b = ld_f32x4(row + col + 4);
+    const f32x4 a = ld_stream_f32x4(row + col), b = ld_stream_f32x4(row + col + 4);
     *reinterpret_cast<u32x4*>(dst + col) =
         u32x4{pack_f32x2<IN_KIND>(a.x * scale, a.y * scale), pack_f32x2<IN_KIND>(a.z * scale, a.w * scale),
               pack_f32x2<IN_KIND>(b.x * scale, b.y * scale), pack_f32x2<IN_KIND>(b.z * scale, b.w * scale)};

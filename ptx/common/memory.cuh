@@ -18,6 +18,12 @@ __device__ __forceinline__ u32x4 ld_stream_256(const void* p) {
   return v;
 }
 
+// ld_stream_16 of 4 floats (a cast to f32x4, a 4-byte aligned struct, loads them 4 bytes at a time).
+__device__ __forceinline__ f32x4 ld_stream_f32x4(const float* p) {
+  const u32x4 v = ld_stream_16(p);
+  return f32x4{__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z), __uint_as_float(v.w)};
+}
+
 // One element of a KIND_BF16, KIND_FP16 or KIND_FP32 array, widened to fp32.
 template <int KIND>
 __device__ __forceinline__ float load_elem(const void* base, i64 idx) {

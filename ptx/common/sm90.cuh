@@ -229,8 +229,6 @@ __device__ __forceinline__ void store_release_gpu(int* p, int v) {
   asm volatile("st.release.gpu.global.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
 
-struct f32x4 { float x, y, z, w; };
-
 // L2-only load (data other CTAs just produced; never a stale L1 line).
 __device__ __forceinline__ f32x4 ld_cg_f32x4(const float* p) {
   f32x4 v;

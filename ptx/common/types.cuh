@@ -9,6 +9,7 @@ typedef long long i64;
 
 // 16 bytes moved as one vector access.
 struct alignas(16) u32x4 { u32 x, y, z, w; };
+struct f32x4 { float x, y, z, w; };
 struct alignas(8) u32x2 { u32 x, y; };
 
 // Opaque TMA descriptor (passed by value as a __grid_constant__ kernel parameter).
