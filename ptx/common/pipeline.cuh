@@ -73,10 +73,7 @@ struct StageRing {
   }
 
   // ---- consumer half ----
-  __device__ __forceinline__ void wait(State st) const {
-    while (!mbar_try_wait(bars + st.stage * 8, st.phase)) {
-    }
-  }
+  __device__ __forceinline__ void wait(State st) const { mbar_wait(bars + st.stage * 8, st.phase); }
 
   // The empty barrier of stage 0 that lane `lane` of a consumer warp frees: this CTA's (lane 0) or, paired, the
   // partner's (lane 1; its producer writes half of this CTA's stage), as a cluster address then. Stage s's is this

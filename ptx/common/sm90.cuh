@@ -55,11 +55,12 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
 }
 
 // Wait until the barrier's phase with the given parity has completed.
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-  const u32 a = smem_u32(bar);
-  while (!mbar_try_wait(a, parity)) {
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  while (!mbar_try_wait(bar, parity)) {
   }
 }
+
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) { mbar_wait(smem_u32(bar), parity); }
 
 // ---- TMA (bulk tensor copies) -------------------------------------------------------------------------------------
 __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap_st* map) {
