@@ -136,7 +136,7 @@ __device__ __forceinline__ void load_k_block(const Ring& ring, Pipe st, u8* smem
 // than keeping a group in flight). A lone consumer keeps one group in flight (after issuing k block kb, it waits
 // for kb-1's group and releases that stage).
 __device__ __forceinline__ void mma_k_blocks(float (&acc)[ACC], const Ring& ring, Pipe& st, u8* smem, int kb0,
-                                             int kb1, int c, int lane, u32 rank) {
+                                             int kb1, int c, int lane, u32 empty_bar) {
   constexpr int IN_FLIGHT = CONSUMERS > 1 ? 0 : 1;
   int prev = -1;
   for (int kb = kb0; kb < kb1; ++kb) {
@@ -155,14 +155,14 @@ __device__ __forceinline__ void mma_k_blocks(float (&acc)[ACC], const Ring& ring
       Wgmma<WgIn, BN>::template mma<B_KN>(acc, da + 2 * k, db + DB_STEP * k, (kb != kb0) || k != 0);
     wgmma_commit();
     wgmma_wait<IN_FLIGHT>();
-    if (IN_FLIGHT == 0) ring.release_predicated(st.stage, rank, lane);
-    if (IN_FLIGHT == 1 && prev >= 0) ring.release_predicated(prev, rank, lane);
+    if (IN_FLIGHT == 0) ring.release_predicated_at(empty_bar + st.stage * 8, lane);
+    if (IN_FLIGHT == 1 && prev >= 0) ring.release_predicated_at(empty_bar + prev * 8, lane);
     prev = st.stage;
     st.advance();
   }
   wgmma_wait<0>();
   fence_registers(acc);
-  if (IN_FLIGHT == 1 && prev >= 0) ring.release_predicated(prev, rank, lane);
+  if (IN_FLIGHT == 1 && prev >= 0) ring.release_predicated_at(empty_bar + prev * 8, lane);
 }
 
 // tm_a / tm_b: A and [N, K] B with boxes {BK, rows a CTA loads of a tile} (its half when shared), 128-byte
@@ -212,9 +212,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
 
   Pipe st;
   u32 chunk_seq = 0;  // every output chunk this consumer issues; picks the buffer
+  const u32 empty_bar = ring.release_bar(rank, lane);  // (paired: a cluster mapping, done once here)
   for (int unit = sched.first; sched.more(unit); unit = sched.next(unit)) {
     const GemmTile t = sched.tile(unit);
-    mma_k_blocks(acc, ring, st, smem, t.kb0, t.kb1, c, lane, rank);
+    mma_k_blocks(acc, ring, st, smem, t.kb0, t.kb1, c, lane, empty_bar);
     const int row0 = t.m0 + c * 64;  // first row of this consumer's slice
     if (row0 >= M || t.n0 >= N) continue;  // a slice past the edge (BM rows beyond M, or a cluster's spare tile)
     if constexpr (EPI == EPI_STORE && C_KIND != KIND_NONE)

@@ -168,10 +168,10 @@ def use_device(device: int) -> None:
 
 
 # The copy rate of the H100 SXM the heuristics' constants were fitted on (device-to-device, read + write counted;
-# `cudart-kernels bench` prints it: 2996 GB/s, 2026-11-27), and what share of the peak a copy reaches where it
-# cannot be measured (2.996 / 3.35).
+# `cudart-kernels bench` prints it: 2996 GB/s, 2026-11-27), and its share of that H100's 3.35 TB/s peak: what a
+# copy is taken to reach where it cannot be measured.
 FIT_STREAM_BYTES_PER_S = 2.996e12
-COPY_SHARE = 0.894
+COPY_SHARE = FIT_STREAM_BYTES_PER_S / 3.35e12
 
 
 @dataclass(frozen=True)
@@ -257,7 +257,7 @@ def stream_rate(device: int, name: str, peak: float, l2_bytes: int) -> float:
         if rate is not None:
             return rate
         try:
-            rate = max(_measure_copy_rate(device, max(256 << 20, 4 * l2_bytes)) for _ in range(3))
+            rate = _measure_copy_rate(device, max(256 << 20, 4 * l2_bytes))
         except CudaError:
             return peak * COPY_SHARE
         if rate < 0.6 * peak:
@@ -271,34 +271,48 @@ def stream_rate(device: int, name: str, peak: float, l2_bytes: int) -> float:
     return rate
 
 
-def _measure_copy_rate(device: int, nbytes: int, copies: int = 4) -> float:
-    """One untimed copy, then `copies` timed back to back on a stream of our own, in the device's primary context
-    pushed over the caller's (no context switch left behind), with this thread's capture mode relaxed so that a
-    graph being captured elsewhere does not forbid the allocations."""
+class relaxed_capture:
+    """This thread's stream-capture mode set to relaxed for a block: allocating and freeing device memory is then
+    allowed while some stream captures (the allocation is not part of the graph)."""
+
+    def __enter__(self):
+        self._mode = check(cu.cuThreadExchangeStreamCaptureMode(
+            cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+
+    def __exit__(self, *exc):
+        check(cu.cuThreadExchangeStreamCaptureMode(self._mode))
+
+
+def _measure_copy_rate(device: int, nbytes: int, batches: int = 3, copies: int = 4) -> float:
+    """The best of `batches` batches of `copies` copies timed back to back (after one untimed), on a stream of our
+    own, in the device's primary context pushed over the caller's (no context switch left behind), with this
+    thread's capture mode relaxed (a graph being captured elsewhere does not forbid the allocations)."""
     check(cu.cuCtxPushCurrent(primary_context(device)))
-    mode = check(cu.cuThreadExchangeStreamCaptureMode(cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
     bufs, stream, events = [], None, []
     try:
-        bufs = [check(cu.cuMemAlloc(nbytes)) for _ in range(2)]
-        stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
-        events = [check(cu.cuEventCreate(0)) for _ in range(2)]
-        check(cu.cuMemsetD8Async(bufs[0], 0x5A, nbytes, stream))
-        for i in range(1 + copies):
-            if i == 1:
+        with relaxed_capture():
+            try:
+                bufs = [check(cu.cuMemAlloc(nbytes)) for _ in range(2)]
+                stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+                events = [check(cu.cuEventCreate(0)) for _ in range(batches + 1)]
+                check(cu.cuMemsetD8Async(bufs[0], 0x5A, nbytes, stream))
+                check(cu.cuMemcpyDtoDAsync(bufs[1], bufs[0], nbytes, stream))
                 check(cu.cuEventRecord(events[0], stream))
-            check(cu.cuMemcpyDtoDAsync(bufs[1], bufs[0], nbytes, stream))
-        check(cu.cuEventRecord(events[1], stream))
-        check(cu.cuEventSynchronize(events[1]))
-        ms = check(cu.cuEventElapsedTime(events[0], events[1]))
-        return 2.0 * nbytes * copies / (ms * 1e-3)
+                for b in range(batches):
+                    for _ in range(copies):
+                        check(cu.cuMemcpyDtoDAsync(bufs[1], bufs[0], nbytes, stream))
+                    check(cu.cuEventRecord(events[b + 1], stream))
+                check(cu.cuEventSynchronize(events[-1]))
+                ms = min(check(cu.cuEventElapsedTime(e0, e1)) for e0, e1 in zip(events, events[1:]))
+                return 2.0 * nbytes * copies / (ms * 1e-3)
+            finally:
+                for e in events:
+                    cu.cuEventDestroy(e)
+                if stream is not None:
+                    cu.cuStreamDestroy(stream)
+                for b in bufs:
+                    cu.cuMemFree(b)
     finally:
-        for e in events:
-            cu.cuEventDestroy(e)
-        if stream is not None:
-            cu.cuStreamDestroy(stream)
-        for b in bufs:
-            cu.cuMemFree(b)
-        cu.cuThreadExchangeStreamCaptureMode(mode)
         cu.cuCtxPopCurrent()
 
 

@@ -21,7 +21,7 @@ import threading
 
 from cuda.bindings import driver as cu
 
-from .driver import CudaError, check, device_context, stream_is_capturing
+from .driver import CudaError, check, device_context, relaxed_capture, stream_is_capturing
 
 _MIN_BYTES = 1 << 16
 
@@ -41,18 +41,6 @@ _destroyed: collections.deque = collections.deque()
 @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 def _graph_destroyed(capture_id):
     _destroyed.append(capture_id or 0)
-
-
-class _Relaxed:
-    """This thread's stream-capture mode set to relaxed for a block: allocating and freeing device memory is then
-    allowed while some stream captures (the allocation is not part of the graph)."""
-
-    def __enter__(self):
-        self._mode = check(cu.cuThreadExchangeStreamCaptureMode(
-            cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
-
-    def __exit__(self, *exc):
-        check(cu.cuThreadExchangeStreamCaptureMode(self._mode))
 
 
 class ScratchPool:
@@ -139,7 +127,7 @@ class ScratchPool:
 
     def _graph_buffer(self, device: int, nbytes: int, zeroed: bool, entry) -> _Buffer:
         size = max(nbytes, 4) + -max(nbytes, 4) % 256
-        with _Relaxed():
+        with relaxed_capture():
             ptr = int(check(cu.cuMemAlloc(size)))
             entry[2].append(ptr)
             if zeroed:
@@ -158,7 +146,7 @@ class ScratchPool:
                 if entry is not None:
                     dead.append(entry)
         for device, _, ptrs in dead:
-            with device_context(device), _Relaxed():
+            with device_context(device), relaxed_capture():
                 for p in ptrs:
                     check(cu.cuMemFree(p))
 
