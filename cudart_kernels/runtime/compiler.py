@@ -166,9 +166,10 @@ def _cache_unusable(path: Path, what: str, err: OSError) -> None:
 
 
 @contextlib.contextmanager
-def _entry_lock(path: Path):
-    """An exclusive lock on a cache entry while it is compiled, so that processes sharing a cache compile each kernel
-    once (the others wait and then read the entry). Without a usable cache directory: no lock."""
+def entry_lock(path: Path):
+    """An exclusive lock on a cache entry while it is made (a compiled kernel; the device's measured copy rate,
+    driver.stream_rate), so that processes sharing a cache make each once (the others wait and then read the
+    entry). Without a usable cache directory: no lock."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
@@ -263,7 +264,7 @@ def compile_kernel(source: str, entry: str, defines: dict | None = None, arch: s
     name = name or Path(source).stem
     entry_data = _read_entry(fname)
     if entry_data is None:
-        with _entry_lock(fname):
+        with entry_lock(fname):
             entry_data = _read_entry(fname)  # (another process may have compiled it while this one waited)
             if entry_data is None:
                 meta, cubin = _compile_entry(fname, name, entry, dkey, arch, path, opts, text)

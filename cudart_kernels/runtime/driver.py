@@ -237,7 +237,7 @@ def stream_rate(device: int, name: str, peak: float, l2_bytes: int) -> float:
     env = os.environ.get("CUDART_KERNELS_STREAM_BW")
     if env:
         return float(env)
-    from .compiler import _entry_lock, cache_dir  # (the compiler imports this module)
+    from .compiler import cache_dir, entry_lock  # (the compiler imports this module)
 
     uuid = bytes(check(cu.cuDeviceGetUuid(check(cu.cuDeviceGet(device)))).bytes).hex()
     path = cache_dir() / f"device-{uuid}.json"
@@ -252,7 +252,7 @@ def stream_rate(device: int, name: str, peak: float, l2_bytes: int) -> float:
     rate = kept()
     if rate is not None:
         return rate
-    with _entry_lock(path):
+    with entry_lock(path):
         rate = kept()  # (measured by another process while this one waited)
         if rate is not None:
             return rate
