@@ -147,9 +147,10 @@ __device__ __forceinline__ void tma_store_all(const CUtensorMap_st* map, u8* buf
   }
 }
 
-// After a warpgroup's last TMA store: its thread 0 waits until they are complete (before the CTA exits).
+// After a warpgroup's last TMA store: its thread 0 waits until the stores have read their shared-memory sources
+// (before the CTA exits). Their writes need no wait: the grid's completion makes them visible to what follows.
 __device__ __forceinline__ void epilogue_drain(int tid) {
-  if (tid == 0) bulk_wait<0>();
+  if (tid == 0) bulk_wait_read<0>();
 }
 
 // ---- straight from registers ----------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ struct StageRing {
       fence_barrier_init();
     }
     if constexpr (CLUSTERED) {
-      cluster_sync();
+      cluster_sync_after_init();
     } else {
       __syncthreads();
     }
