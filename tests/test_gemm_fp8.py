@@ -45,18 +45,22 @@ def tile_and_splits(cfg):
 
 def test_config_choices():
     # 4096 rows, N = 7168, K = 16384: 128 k blocks (H100, 132 SMs). 128 x 128: 1792 tiles, 14 waves x (1.12 +
-    # 128 x 0.514) = 937 us; 128 x 192: 1216 tiles, 10 waves x 97.4 = 974; 256 x 128: 896 tiles, 7 waves x 121.4 =
-    # 850 (measured 937, 974, 841) -> 256 x 128, pairs along N sharing the 256-row A tile, three stages (its
+    # 128 x 0.514) = 937 us; 128 x 192: 1216 tiles, 10 waves x 91.5 = 915; 256 x 128: 896 tiles, 7 waves x 121.4 =
+    # 850 (measured 872, 842, 791) -> 256 x 128, pairs along N sharing the 256-row A tile, three stages (its
     # whole-slice output buffers take the fourth one's room).
     cfg = f.pick_config(4096, 7168, 16384, H100)
     assert (cfg.bm, cfg.bn, cfg.mcast, cfg.stages) == (256, 128, g.MCAST_SHARE_A, 3)
     assert f._tile_us(256, 128, 128, f.NORMAL, f.TUNING) == pytest.approx(121.36)
     assert f._chunk(128) == 64 and f._chunk(256) == 32
     # Short K: the fixed cost per tile counts. N = 32768, K = 512: 256 x 128 in 32 waves x 4.80 = 154 us against
-    # 128 x 192 in 42 waves x 4.23 = 178 (measured 153 vs 178).
+    # 128 x 192 in 42 waves x 4.05 = 170 (measured 152 vs 158).
     assert f.pick_config(4096, 32768, 512, H100).bm == 256
-    # N = 2112: 128 x 192 is 32 x 11 = 352 tiles, 3 waves x 43.3; 256 x 128 is 16 x 17 = 272 tiles, 3 waves x 53.7
+    # N = 2112: 128 x 192 is 32 x 11 = 352 tiles, 3 waves x 40.7; 256 x 128 is 16 x 17 = 272 tiles, 3 waves x 53.7
     assert (f.pick_config(4096, 2112, 7168, H100).bm, f.pick_config(4096, 2112, 7168, H100).bn) == (128, 192)
+    # 128 x 192 against 128 x 128 and 256 x 128 where waves round differently (H100, 2026-11-27, same run: 2048 x
+    # 7168 x 7168 178.5 us against 185.4 for 128 x 128; 6144 x 5120 x 7168 0.92x the 256 x 128 time)
+    assert f.pick_config(2048, 7168, 7168, H100).bn == 192
+    assert (f.pick_config(6144, 5120, 7168, H100).bm, f.pick_config(6144, 5120, 7168, H100).bn) == (128, 192)
     # one row of tiles: memory-bound, fewest waves, no pairs
     small = f.pick_config(128, 7168, 16384, H100)
     assert (small.bm, small.bn, small.mcast) == (128, 64, g.MCAST_NONE)
@@ -92,13 +96,16 @@ def test_config_choices():
     # ... not where the tiles already fill the SMs (2 x 64 tiles: the split lost, 20.0 -> 21.0 us)
     assert tile_and_splits(f.pick_config(192, 4096, 7168, H100)) == (128, 64, 1)
     # contiguous: 256-row tiles only when the caller's segments allow them; pairs along N only. 4 x 8192 rows,
-    # N = 4096: 128 x 192 in 43 waves x 43.3 = 1861 us against 128 x 256 in 32 x 61.1 = 1956 and 128 x 128 in
+    # N = 4096: 128 x 192 in 43 waves x 40.7 = 1750 us against 128 x 256 in 32 x 61.1 = 1956 and 128 x 128 in
     # 63 x 29.9 = 1884; 256 x 128 in 32 x 53.7 = 1718 when the segments allow it
     narrow = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=128)
     assert (narrow.bm, narrow.bn, narrow.mcast) == (128, 192, g.MCAST_SHARE_A)
     cont = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=256)
     assert (cont.bm, cont.bn, cont.mcast) == (256, 128, g.MCAST_SHARE_A)
     assert f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=64).bm == 64
+    # uneven experts (7000, 9100, 8192, 6450 rows, segments of 128): 242 row blocks, 128 x 192 in 41 waves against
+    # 128 x 128 in 59 (H100, 2026-11-27, same run: 1533 us against 1632)
+    assert f.pick_config(30976, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=128).bn == 192
     with pytest.raises(ValueError, match="force_tile has 256 rows"):  # a forced tile may not pass the alignment
         f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=128, tuning=f.Fp8Tuning(force_tile=(256, 128)))
     # memory-bound shapes never take 256 columns (one wave of them lost to two of 128 x 128)
