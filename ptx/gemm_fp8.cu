@@ -15,9 +15,10 @@
 // LAYOUT (`info` is a device int array):
 // - LAYOUT_NORMAL: one GEMM.
 // - LAYOUT_CONTIGUOUS (MoE prefill): A's M rows are the experts' rows back to back, info[m] the group of row m
-//   (-1: padding); B is [G, N, K] seen as [G * N, K]. Each group's segment starts at a multiple of BM, so a tile's
-//   group is its first row's; a tile of padding only is skipped, and rows of another group or padding are not
-//   written.
+//   (-1: padding); B is [G, N, K] seen as [G * N, K]. Each group's segment starts at a multiple of BM / 2 (BM 64:
+//   of 64), so a tile holds the rows of at most two groups, one per half: such a tile runs twice, once against
+//   each group's B (GemmScheduler::next_pass); a tile of padding only is skipped, and rows of another group or
+//   padding are not written. (The host runs 128-row tiles this way on segments aligned to 64 rows.)
 // - LAYOUT_MASKED (MoE decode): A is [G, M, K] seen as [G * M, K], D [G * M, N]; only the first info[g] rows of
 //   group g are computed and written (tiles past them are skipped; info lives on the GPU, no host sync).
 // - LAYOUT_KGROUPED (weight gradient): group g reduces over k in [info[g], info[g + 1]) (multiples of 128) into
@@ -465,19 +466,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
     if (tid == 0) {
       Pipe st;
       for (int unit = sched.first; sched.more(unit); unit = sched.next(unit)) {
-        const GemmTile t = sched.tile(unit);
+        GemmTile t = sched.tile(unit);
         if (t.skip) continue;
-        for (int kb = t.kb0; kb < t.kb1; ++kb) {
-          const int ab_rows = rows_in_bounds(t.a_row, BM, a_rows) + rows_in_bounds(t.b_row, BN, b_rows);
-          u64* bar = ring.acquire(st, ab_rows * 128 + SA_STAGE + SB_BYTES);
-          tma_load_rows<MCAST == 2>(smem + st.stage * A_STAGE, &tm_a, &tm_a_edge, bar, kb * BK, t.a_row, BM, a_rows,
-                                    rank);
-          tma_load_rows<MCAST == 1, STREAM_B>(smem + SMEM_B + st.stage * B_STAGE, &tm_b, &tm_b_edge, bar, kb * BK,
-                                              t.b_row, BN, b_rows, rank);
-          tma_load_2d(smem + SMEM_SA + st.stage * SA_STAGE, &tm_sa, bar, t.a_row, kb);
-          if (WGRAD) tma_load_2d(smem + SMEM_SB + st.stage * SB_STAGE, &tm_sb, bar, t.n0, kb);
-          st.advance();
-        }
+        do {
+          for (int kb = t.kb0; kb < t.kb1; ++kb) {
+            const int ab_rows = rows_in_bounds(t.a_row, BM, a_rows) + rows_in_bounds(t.b_row, BN, b_rows);
+            u64* bar = ring.acquire(st, ab_rows * 128 + SA_STAGE + SB_BYTES);
+            tma_load_rows<MCAST == 2>(smem + st.stage * A_STAGE, &tm_a, &tm_a_edge, bar, kb * BK, t.a_row, BM, a_rows,
+                                      rank);
+            tma_load_rows<MCAST == 1, STREAM_B>(smem + SMEM_B + st.stage * B_STAGE, &tm_b, &tm_b_edge, bar, kb * BK,
+                                                t.b_row, BN, b_rows, rank);
+            tma_load_2d(smem + SMEM_SA + st.stage * SA_STAGE, &tm_sa, bar, t.a_row, kb);
+            if (WGRAD) tma_load_2d(smem + SMEM_SB + st.stage * SB_STAGE, &tm_sb, bar, t.n0, kb);
+            st.advance();
+          }
+        } while (sched.next_pass(t));
       }
       ring.producer_finish(st);
     }
@@ -493,7 +496,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   Mainloop ml(ring, smem, c, tid, rank);
   u32 chunk_seq = 0;
   for (int unit = sched.first; sched.more(unit); unit = sched.next(unit)) {
-    const GemmTile t = sched.tile(unit);
+    GemmTile t = sched.tile(unit);
     if (t.skip) continue;
     // Contiguous 256-row tiles: this thread's rows' groups, loaded now and compared in the epilogue (128-row
     // tiles load them there: held through the main loop, they made NVRTC 13.5's ptxas spill on 128 x 192).
@@ -505,24 +508,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
         for (int h = 0; h < 2; ++h)
           row_groups[u][h] = sched.row_group(t, c * WG_ROWS + u * 64 + ml.warp * 16 + ml.lane / 4 + 8 * h);
     }
-    ml.sb = ScalesB(t, sb, sb_group, sb_row, sb_col, N);
+    do {  // (contiguous: once per group of the tile's rows)
+      ml.sb = ScalesB(t, sb, sb_group, sb_row, sb_col, N);
 #pragma unroll
-    for (int u = 0; u < SUBS; ++u)
+      for (int u = 0; u < SUBS; ++u)
 #pragma unroll
-      for (int i = 0; i < ACC; ++i) acc[u][i] = 0.f;
-    ml.run_tile(acc, t.kb0, t.kb1);
+        for (int i = 0; i < ACC; ++i) acc[u][i] = 0.f;
+      ml.run_tile(acc, t.kb0, t.kb1);
 
 #if KSPLIT > 1
-    if constexpr (CONSUMERS > 1) named_barrier(3, 256);  // both consumers are done with the stages
-    const int row0 = t.m0 + c * 64;
-    cluster_split_sum<KSPLIT, BN>(acc[0], reinterpret_cast<float*>(smem) + c * 64 * SPLIT_ROW(BN), rank, tid,
-                                  row0 < M && t.n0 < N, [&](int r, int col, f32x4 v) {
-                                    if (row0 + r < M && t.n0 + col < N)  // N % 8 == 0: 4 columns wholly in or out
-                                      store4<KIND_BF16>(d, i64(row0 + r) * ld_d + t.n0 + col, v);
-                                  });
+      if constexpr (CONSUMERS > 1) named_barrier(3, 256);  // both consumers are done with the stages
+      const int row0 = t.m0 + c * 64;
+      cluster_split_sum<KSPLIT, BN>(acc[0], reinterpret_cast<float*>(smem) + c * 64 * SPLIT_ROW(BN), rank, tid,
+                                    row0 < M && t.n0 < N, [&](int r, int col, f32x4 v) {
+                                      if (row0 + r < M && t.n0 + col < N)  // N % 8 == 0: 4 columns wholly in or out
+                                        store4<KIND_BF16>(d, i64(row0 + r) * ld_d + t.n0 + col, v);
+                                    });
 #else
-    store_tile(acc, t, sched, row_groups, &tm_d, d_smem, chunk_seq, d, ld_d, N, c, tid);
+      store_tile(acc, t, sched, row_groups, &tm_d, d_smem, chunk_seq, d, ld_d, N, c, tid);
 #endif
+    } while (sched.next_pass(t));
   }
   epilogue_drain(tid);
 }

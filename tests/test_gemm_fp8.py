@@ -98,16 +98,19 @@ def test_config_choices():
     # contiguous: 256-row tiles only when the caller's segments allow them; pairs along N only. 4 x 8192 rows,
     # N = 4096: 128 x 192 in 43 waves x 40.7 = 1750 us against 128 x 256 in 32 x 61.1 = 1956 and 128 x 128 in
     # 63 x 29.9 = 1884; 256 x 128 in 32 x 53.7 = 1718 when the segments allow it
-    narrow = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=128)
+    narrow = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, 128)
     assert (narrow.bm, narrow.bn, narrow.mcast) == (128, 192, g.MCAST_SHARE_A)
-    cont = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=256)
+    cont = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, 256)
     assert (cont.bm, cont.bn, cont.mcast) == (256, 128, g.MCAST_SHARE_A)
-    assert f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=64).bm == 64
+    # segments aligned to 64: 128-row tiles (a second pass where a segment starts mid-tile) while groups / 2 is
+    # at most 5% of the 256 rows of tiles, then 64-row ones
+    assert f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 24, 64).bm == 128
+    assert f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 28, 64).bm == 64
     # uneven experts (7000, 9100, 8192, 6450 rows, segments of 128): 242 row blocks, 128 x 192 in 41 waves against
     # 128 x 128 in 59 (H100, 2026-11-27, same run: 1533 us against 1632)
-    assert f.pick_config(30976, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=128).bn == 192
-    with pytest.raises(ValueError, match="force_tile has 256 rows"):  # a forced tile may not pass the alignment
-        f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, max_bm=128, tuning=f.Fp8Tuning(force_tile=(256, 128)))
+    assert f.pick_config(30976, 4096, 7168, H100, f.CONTIGUOUS, 4, 128).bn == 192
+    with pytest.raises(ValueError, match="force_tile has 256 rows"):  # a forced tile may not pass twice the alignment
+        f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, 64, tuning=f.Fp8Tuning(force_tile=(256, 128)))
     # memory-bound shapes never take 256 columns (one wave of them lost to two of 128 x 128)
     assert f.pick_config(128, 32768, 512, H100).bn == 128
     # masked, 1024 rows in one group: 256 x 128 (4096 x 7168: 4 waves x 53.7 against 6 x 43.3 for 128 x 192)
@@ -246,7 +249,7 @@ def test_grouped_configs():
     for g_, rows, n, k in f.BENCH_SHAPES["contiguous"]:
         cfg = f.pick_config(g_ * rows, n, k, H100, f.CONTIGUOUS, g_)
         assert cfg.mcast != g.MCAST_SHARE_B  # tiles paired along M could belong to two experts
-        assert f.pick_config(g_ * rows, n, k, H100, f.CONTIGUOUS, g_, max_bm=64).bm == 64
+        assert f.pick_config(g_ * rows, n, k, H100, f.CONTIGUOUS, g_, 64).bm == 128  # (few experts: two passes)
     for g_, rows, n, k in f.BENCH_SHAPES["masked"]:
         cfg = f.pick_config(rows, n, k, H100, f.MASKED, g_)
         assert cfg.bm == 64 if rows <= 64 else cfg.bm in (128, 256) and cfg.bm <= rows
@@ -337,16 +340,18 @@ def _rel_err(got, ref):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("alignment", [128, 64, 256])
+@pytest.mark.parametrize("alignment, bm", [(128, 128), (64, 64), (256, 256), (128, 256), (64, 128)])
 @pytest.mark.parametrize("nk", [(264, 1040), (2112, 512)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_A])
-def test_grouped_contiguous(rng, alignment, nk, mode):
-    tuning = forced(mode, (alignment, 128))
+def test_grouped_contiguous(rng, alignment, bm, nk, mode):
+    """Tiles of the alignment's height, and of twice it: in units of the alignment, expert 0 | padding,
+    padding | expert 2, expert 2, expert 3 | expert 4 (two passes), padding only (skipped)."""
+    tuning = forced(mode, (bm, 128))
     n, k = nk
     tokens = [100, 0, 257, alignment, 1]  # per expert; each segment padded to `alignment` rows
     ids = []
     for e, t in enumerate(tokens):
-        ids += [e] * t + [-1] * (-t % alignment)
+        ids += [e] * t + [-1] * (-t % alignment) + [-1] * 2 * alignment * (e == 0)  # (expert 0: two more units)
     ids += [-1] * 2 * alignment  # tiles of padding only: skipped, never written
     ids = np.array(ids, np.int32)
     m, groups = len(ids), len(tokens)
@@ -364,7 +369,7 @@ def test_grouped_contiguous(rng, alignment, nk, mode):
         assert np.isfinite(got[rows]).all(), f"expert {e}: rows not written"
         assert _rel_err(got[rows], ref) <= 5e-3, e
     assert np.isnan(got[ids < 0]).all(), "a padding row was written"
-    assert {p.cfg.bm for p in plans_under(tuning)} == {alignment}
+    assert {p.cfg.bm for p in plans_under(tuning)} == {bm}
 
 
 @pytest.mark.gpu

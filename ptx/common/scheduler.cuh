@@ -44,6 +44,8 @@ struct GemmTile {
   int tm, tn;        // tile row and column in the tile grid (of its group)
   int m0, n0;        // tile origin in D's rows (of its group) and columns
   int g;             // group
+  int g2;            // LAYOUT_CONTIGUOUS: the group of the tile's second half where it starts another group's
+                     // segment (-1: none); the tile then runs a second pass for it (next_pass)
   int a_row, b_row;  // first row of the A and B tiles in their (flattened) maps
   int d_row;         // first row of the tile in D's (flattened) map
   int kb0, kb1;      // k blocks [kb0, kb1)
@@ -110,9 +112,20 @@ struct GemmScheduler : PersistentUnits {
     t.kb1 = (t.split + 1) * k_blocks / splits;
     t.rows = M;
     t.skip = false;
-    if constexpr (ORDER == LAYOUT_CONTIGUOUS) {  // each group's rows start at a multiple of TILE_M
+    t.g2 = -1;
+    if constexpr (ORDER == LAYOUT_CONTIGUOUS) {  // each group's rows start at a multiple of TILE_M / 2
+      const auto valid = [&](int g) { return g >= 0 && g < groups; };  // (-1: padding; an id past the groups alike)
       t.g = __ldg(info + min(t.m0, M - 1));
-      t.skip = t.g < 0 || t.g >= groups;  // padding (or an id past the groups: treated alike)
+      if constexpr (TILE_M >= 128) {  // a segment may start at the tile's second half
+        const int mid = t.m0 + TILE_M / 2;
+        const int g_mid = mid < M ? __ldg(info + mid) : -1;
+        if (!valid(t.g)) {
+          t.g = g_mid;
+        } else if (valid(g_mid) && g_mid != t.g) {
+          t.g2 = g_mid;
+        }
+      }
+      t.skip = !valid(t.g);
       t.b_row = max(t.g, 0) * N + t.n0;
     } else if constexpr (ORDER == LAYOUT_MASKED) {
       t.rows = min(__ldg(info + t.g), M);
@@ -132,6 +145,20 @@ struct GemmScheduler : PersistentUnits {
       t.kb1 = (int(rank) + 1) * blocks / CLUSTER_SPLITS;
     }
     return t;
+  }
+
+  // LAYOUT_CONTIGUOUS: a tile whose halves belong to two groups runs once per group, each pass writing its own
+  // group's rows (row_writable). After a pass: true if another follows, with t turned into it. Producer and
+  // consumers decode the same tiles, so they agree on the passes.
+  __device__ __forceinline__ bool next_pass(GemmTile& t) const {
+    if constexpr (ORDER == LAYOUT_CONTIGUOUS) {
+      if (t.g2 < 0) return false;
+      t.g = t.g2;
+      t.g2 = -1;
+      t.b_row = t.g * N + t.n0;
+      return true;
+    }
+    return false;
   }
 
   // LAYOUT_CONTIGUOUS: the group of row r (from the tile's origin), -1 past the rows.
