@@ -111,6 +111,10 @@ def test_config_choices():
     assert f.pick_config(30976, 4096, 7168, H100, f.CONTIGUOUS, 4, 128).bn == 192
     with pytest.raises(ValueError, match="force_tile has 256 rows"):  # a forced tile may not pass twice the alignment
         f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, 64, tuning=f.Fp8Tuning(force_tile=(256, 128)))
+    # 160 columns where the waves favour them (H100, 2026-11-27, same run against the previous pick: 2048x5120x7168
+    # 128 x 128 -> 128 x 160 0.969, 2048x2112x2048 128 x 64 -> 128 x 160 0.821)
+    assert f.pick_config(2048, 5120, 7168, H100).bn == 160
+    assert f.pick_config(2048, 2112, 2048, H100).bn == 160
     # memory-bound shapes never take 256 columns (one wave of them lost to two of 128 x 128)
     assert f.pick_config(128, 32768, 512, H100).bn == 128
     # masked, 1024 rows in one group: 256 x 128 (4096 x 7168: 4 waves x 53.7 against 6 x 43.3 for 128 x 192)
@@ -241,6 +245,22 @@ def test_gemm_fp8_cluster_pairs(rng, mode, shape):
                 tuning=t)
     _check(out, ref)
     assert mode in {p.cfg.mcast for p in plans_under(t)}  # the forced pairing really ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_B, g.MCAST_SHARE_A])
+@pytest.mark.parametrize("tile", [(128, 160), (128, 96)], ids=lambda t: f"{t[0]}x{t[1]}")
+def test_gemm_fp8_widths_off_scale_blocks(rng, mode, tile):
+    """Widths whose tiles start 32 columns into B's 128-column scale blocks (two blocks per tile, the loop
+    instantiated per offset), as the pick runs them: tails in M, N, K."""
+    t = forced(mode, tile)
+    m, n, k = 300, 1000, 1040
+    a, sa, b, sb, ref = _operands(rng, m, n, k)
+    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
+    ck.gemm_fp8(DeviceArray.from_numpy(a), DeviceArray.from_numpy(sa), DeviceArray.from_numpy(b),
+                DeviceArray.from_numpy(sb), out, tuning=t)
+    _check(out, ref)
+    assert {(p.cfg.bm, p.cfg.bn) for p in plans_under(t)} == {tile}
 
 
 # ---- grouped layouts and the weight gradient: CPU --------------------------------------------------------------
