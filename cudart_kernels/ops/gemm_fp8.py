@@ -223,7 +223,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     k_blocks = -(-(k // groups if layout == KGROUPED else k) // BK)  # one tile's k blocks
     if t.force_tile is not None:
         bm, bn = t.force_tile
-        if bm > (256 if layout != CONTIGUOUS else min(256, 2 * alignment)):  # (contiguous: no tile over three segments)
+        if layout == CONTIGUOUS and bm > 2 * alignment:  # (a tile may hold two segments' rows, not three)
             raise ValueError(f"force_tile has {bm} rows; this call allows at most twice the alignment ({alignment})")
         splits = t.force_splits or 1
         tiles_m = -(-(groups * -(-m // bm) * bm if per_group else m) // bm)
@@ -588,9 +588,9 @@ def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment:
     segment after its tokens. Tiles are at most `alignment` rows tall (256 allows 256-row tiles, up to 2% faster
     than 128-row ones on large groups), except at 64 with few experts for the rows, where 128-row tiles (1.2-1.45x
     faster) run once per expert on the tiles whose second half starts another expert's segment. Tiles of padding
-    rows only are skipped entirely (no loads, no math, no writes); padding rows are never written. Scales as for `gemm_fp8`. Not checked on the host (it would
-    need a device sync): a segment that starts off the alignment leaves the rows of its first tile that belong
-    to it unwritten.
+    rows only are skipped entirely (no loads, no math, no writes); padding rows are never written. Scales as for
+    `gemm_fp8`. Not checked on the host (it would need a device sync): a segment that starts off the alignment
+    leaves the rows of its first tile that belong to it unwritten.
     """
     if alignment not in (64, 128, 256):
         raise ValueError(f"alignment must be 64, 128 or 256 rows, got {alignment}")
