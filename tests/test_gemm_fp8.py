@@ -11,7 +11,7 @@ from cudart_kernels.ops import gemm as g
 from cudart_kernels.ops import gemm_fp8 as f
 from cudart_kernels.runtime.plans import PLANS
 from cudart_kernels.ops.quantize import mmajor_stride
-from cudart_kernels.runtime.driver import H100
+from cudart_kernels.runtime.driver import H100, H200
 from cudart_kernels.runtime.interop import DeviceArray
 
 FAKE = 0x7F0000000000
@@ -245,6 +245,16 @@ def test_gemm_fp8_cluster_pairs(rng, mode, shape):
                 tuning=t)
     _check(out, ref)
     assert mode in {p.cfg.mcast for p in plans_under(t)}  # the forced pairing really ran
+
+
+def test_picks_follow_the_device_not_its_bandwidth():
+    """The FP8 picks read the SM count and shared memory (their costs are per tile and wave, fitted in same-run
+    sweeps): an H200 (the H100's SMs, 1.4x the bandwidth) gets the H100's picks, a part with fewer SMs its own."""
+    h100_pcie = replace(H100, name="NVIDIA H100 PCIe (assumed)", sm_count=114)
+    assert list(f._bench_configs(H200)) == list(f._bench_configs(H100))
+    assert list(f._bench_configs(h100_pcie)) != list(f._bench_configs(H100))
+    for cfg in f._bench_configs(h100_pcie):
+        assert cfg.smem <= h100_pcie.smem_per_block_optin
 
 
 # ---- grouped layouts and the weight gradient: CPU --------------------------------------------------------------
