@@ -206,10 +206,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
     there), and contiguous tiles pair along N only (two tiles along M may belong to two experts)."""
     t = tuning
-    # Contiguous, alignment 64: 128-row tiles have two consumers to the 64-row tiles' one (H100, 12..24 experts on
-    # 32k rows: 1.17-1.45x) until the second passes cost more than that (28 experts at K 7168: level, 32: 5% slower;
-    # each pass is a whole extra tile in one CTA's share). Twice the alignment at 128 rows (256-row tiles) gained
-    # at most 2% over 128 rows with no second pass, and lost 5% with 3 on 121 rows of tiles.
+    # (docs/tuning.md, contig_passes_max: at alignment 64 the 128-row tiles' two consumers win until the second
+    # passes cost more; 256-row tiles at alignment 128 never won enough to pay for theirs)
     tallest = 256
     if layout == CONTIGUOUS:
         tallest = 128 if alignment == 64 and groups // 2 <= t.contig_passes_max * -(-m // 128) else alignment
@@ -586,7 +584,7 @@ def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment:
     m_indices: [M] int32 on the GPU, the expert of each row or -1 for a padding row; out: [M, N] bf16.
     Each expert's segment must start at a multiple of `alignment` rows (64, 128 or 256), the padding rows of a
     segment after its tokens. Tiles are at most `alignment` rows tall (256 allows 256-row tiles, up to 2% faster
-    than 128-row ones on large groups), except at 64 with few experts for the rows, where 128-row tiles (1.2-1.45x
+    than 128-row ones on large groups), except at 64 with few experts for the rows, where 128-row tiles (1.1-1.5x
     faster) run once per expert on the tiles whose second half starts another expert's segment. Tiles of padding
     rows only are skipped entirely (no loads, no math, no writes); padding rows are never written. Scales as for
     `gemm_fp8`. Not checked on the host (it would need a device sync): a segment that starts off the alignment
