@@ -15,10 +15,11 @@
 // LAYOUT (`info` is a device int array):
 // - LAYOUT_NORMAL: one GEMM.
 // - LAYOUT_CONTIGUOUS (MoE prefill): A's M rows are the experts' rows back to back, info[m] the group of row m
-//   (-1: padding); B is [G, N, K] seen as [G * N, K]. Each group's segment starts at a multiple of BM / 2 (BM 64:
-//   of 64), so a tile holds the rows of at most two groups, one per half: such a tile runs twice, once against
-//   each group's B (GemmScheduler::next_pass); a tile of padding only is skipped, and rows of another group or
-//   padding are not written. (The host runs 128-row tiles this way on segments aligned to 64 rows.)
+//   (-1: padding); B is [G, N, K] seen as [G * N, K]. Each group's segment starts at a multiple of BM, so a tile
+//   holds one group's rows (and padding), or is padding only and skipped. TILE_LIST = 1: segments start at
+//   multiples of BM / 2, so a tile may hold the rows of two groups, one per half; the tiles come from a list of
+//   (tile row, group) entries (contiguous_tiles.cu, `tile_list`), a tile row of two groups as two entries, each
+//   run against its group's B. Rows of another group or padding are not written.
 // - LAYOUT_MASKED (MoE decode): A is [G, M, K] seen as [G * M, K], D [G * M, N]; only the first info[g] rows of
 //   group g are computed and written (tiles past them are skipped; info lives on the GPU, no host sync).
 // - LAYOUT_KGROUPED (weight gradient): group g reduces over k in [info[g], info[g + 1]) (multiples of 128) into
@@ -51,7 +52,7 @@
 // STREAM_B = 1 loads B with an evict-first L2 policy, as in gemm.cu.
 //
 // Compile-time parameters: BM (64, 128, 256), BN (16..256, step 16; 256 rows: up to 128), STAGES, MCAST, LAYOUT,
-// KSPLIT, STREAM_B.
+// KSPLIT, STREAM_B, TILE_LIST.
 #include "common/epilogue.cuh"
 #include "common/pipeline.cuh"
 #include "common/scheduler.cuh"
@@ -68,6 +69,9 @@
 #endif
 #ifndef KSPLIT
 #define KSPLIT 1
+#endif
+#ifndef TILE_LIST
+#define TILE_LIST 0
 #endif
 
 constexpr int BK = 128;  // e4m3 elements = bytes: one 128-byte swizzle span, four k32 wgmma steps, one scale block
@@ -112,6 +116,7 @@ static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "BN must be a multiple of 1
 static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0) || (MCAST == 2 && BM % 128 == 0),
               "multicast halves must be whole 8-row swizzle atoms");
 static_assert(!(LAYOUT == LAYOUT_CONTIGUOUS && MCAST == 1), "tiles paired along M may belong to different groups");
+static_assert(!TILE_LIST || (LAYOUT == LAYOUT_CONTIGUOUS && BM >= 128), "a tile list: contiguous, two halves of 64+");
 static_assert(KSPLIT == 1 || (KSPLIT <= 8 && MCAST == 0 && LAYOUT == LAYOUT_NORMAL && BM <= 128),
               "split-K: normal layout, at most 128 rows, no multicast, a portable cluster");
 
@@ -153,7 +158,7 @@ static_assert(KSPLIT == 1 || CONSUMERS * 64 * SPLIT_ROW(BN) * 4 <= SMEM_BARS, "s
 
 typedef StageRing<STAGES, MCAST> Ring;
 typedef PipeState<STAGES> Pipe;
-typedef GemmScheduler<BM, BN, BK, MCAST, LAYOUT, KSPLIT> Scheduler;
+typedef GemmScheduler<BM, BN, BK, MCAST, LAYOUT, KSPLIT, TILE_LIST> Scheduler;
 
 // One k block of 128 (four k32 steps, 32 e4m3 = 32 bytes = 2 descriptor units along K) into `part`, with A from
 // shared memory (da) or from registers (REGS).
@@ -441,23 +446,24 @@ __device__ __forceinline__ void store_tile(float (&acc)[SUBS][ACC], const GemmTi
 // tm_a / tm_b: boxes {128, rows a CTA loads of the tile} (halves when shared), 128-byte swizzle; tm_a_edge /
 // tm_b_edge: the same tensors with boxes of a group's rows of A (N) modulo those rows (tma_load_rows); tm_sa: the
 // M-major scales of A as a [K/128][M] fp32 tensor, box {BM, 1}; tm_sb (LAYOUT_KGROUPED): B's as [K/128][N], box
-// {BN, 1}; tm_d: D in bf16 (fp32 for LAYOUT_KGROUPED), box {CH, 64}, swizzle CH * OUT_BYTES. d / ld_d: D for the
-// direct writes. M, N, K: one group's GEMM (LAYOUT_CONTIGUOUS: M counts all rows; LAYOUT_KGROUPED: K counts all
-// groups').
+// {BN, 1}; tm_d: D in bf16 (fp32 for LAYOUT_KGROUPED), box {CH, 64}, swizzle CH * OUT_BYTES. tile_list
+// (TILE_LIST): the tiles' entries, written by contiguous_tiles.cu's kernel just before this one. d / ld_d: D for
+// the direct writes. M, N, K: one group's GEMM (LAYOUT_CONTIGUOUS: M counts all rows; LAYOUT_KGROUPED: K counts
+// all groups').
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
     const __grid_constant__ CUtensorMap_st tm_a, const __grid_constant__ CUtensorMap_st tm_b,
     const __grid_constant__ CUtensorMap_st tm_a_edge, const __grid_constant__ CUtensorMap_st tm_b_edge,
     const __grid_constant__ CUtensorMap_st tm_sa, const __grid_constant__ CUtensorMap_st tm_sb,
     const __grid_constant__ CUtensorMap_st tm_d, const float* sb, i64 sb_group, i64 sb_row, i64 sb_col,
-    const int* info, void* d, i64 ld_d, int M, int N, int K, int groups, int group_m) {
+    const int* info, const int* tile_list, void* d, i64 ld_d, int M, int N, int K, int groups, int group_m) {
   u8* smem = smem_aligned_1024();
   const Ring ring(smem + SMEM_BARS);
   const u32 rank = CLUSTER > 1 ? cluster_rank() : 0;
-  const Scheduler sched(M, N, K, 1, groups, group_m, info, rank, CLUSTER);
   const int wg = warpgroup_index();
   const int tid = threadIdx.x % 128;
   kernel_prologue<(CLUSTER > 1)>(ring, (MCAST ? 2 : 1) * CONSUMERS * 4, &tm_a, &tm_b, &tm_a_edge, &tm_b_edge, &tm_sa,
                                  WGRAD ? &tm_sb : nullptr, &tm_d);
+  const Scheduler sched(M, N, K, 1, groups, group_m, info, rank, CLUSTER, tile_list);  // (after pdl_wait)
 
   if (wg == 0) {  // ---- producer: one thread issues the loads (A, B, this k block's scales) ----
     regs_decrease<PRODUCER_REGS>();
@@ -466,21 +472,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
     if (tid == 0) {
       Pipe st;
       for (int unit = sched.first; sched.more(unit); unit = sched.next(unit)) {
-        GemmTile t = sched.tile(unit);
+        const GemmTile t = sched.tile(unit);
         if (t.skip) continue;
-        do {
-          for (int kb = t.kb0; kb < t.kb1; ++kb) {
-            const int ab_rows = rows_in_bounds(t.a_row, BM, a_rows) + rows_in_bounds(t.b_row, BN, b_rows);
-            u64* bar = ring.acquire(st, ab_rows * 128 + SA_STAGE + SB_BYTES);
-            tma_load_rows<MCAST == 2>(smem + st.stage * A_STAGE, &tm_a, &tm_a_edge, bar, kb * BK, t.a_row, BM, a_rows,
-                                      rank);
-            tma_load_rows<MCAST == 1, STREAM_B>(smem + SMEM_B + st.stage * B_STAGE, &tm_b, &tm_b_edge, bar, kb * BK,
-                                                t.b_row, BN, b_rows, rank);
-            tma_load_2d(smem + SMEM_SA + st.stage * SA_STAGE, &tm_sa, bar, t.a_row, kb);
-            if (WGRAD) tma_load_2d(smem + SMEM_SB + st.stage * SB_STAGE, &tm_sb, bar, t.n0, kb);
-            st.advance();
-          }
-        } while (sched.next_pass(t));
+        for (int kb = t.kb0; kb < t.kb1; ++kb) {
+          const int ab_rows = rows_in_bounds(t.a_row, BM, a_rows) + rows_in_bounds(t.b_row, BN, b_rows);
+          u64* bar = ring.acquire(st, ab_rows * 128 + SA_STAGE + SB_BYTES);
+          tma_load_rows<MCAST == 2>(smem + st.stage * A_STAGE, &tm_a, &tm_a_edge, bar, kb * BK, t.a_row, BM, a_rows,
+                                    rank);
+          tma_load_rows<MCAST == 1, STREAM_B>(smem + SMEM_B + st.stage * B_STAGE, &tm_b, &tm_b_edge, bar, kb * BK,
+                                              t.b_row, BN, b_rows, rank);
+          tma_load_2d(smem + SMEM_SA + st.stage * SA_STAGE, &tm_sa, bar, t.a_row, kb);
+          if (WGRAD) tma_load_2d(smem + SMEM_SB + st.stage * SB_STAGE, &tm_sb, bar, t.n0, kb);
+          st.advance();
+        }
       }
       ring.producer_finish(st);
     }
@@ -496,7 +500,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   Mainloop ml(ring, smem, c, tid, rank);
   u32 chunk_seq = 0;
   for (int unit = sched.first; sched.more(unit); unit = sched.next(unit)) {
-    GemmTile t = sched.tile(unit);
+    const GemmTile t = sched.tile(unit);
     if (t.skip) continue;
     // Contiguous 256-row tiles: this thread's rows' groups, loaded now and compared in the epilogue (128-row
     // tiles load them there: held through the main loop, they made NVRTC 13.5's ptxas spill on 128 x 192).
@@ -508,26 +512,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
         for (int h = 0; h < 2; ++h)
           row_groups[u][h] = sched.row_group(t, c * WG_ROWS + u * 64 + ml.warp * 16 + ml.lane / 4 + 8 * h);
     }
-    do {  // (contiguous: once per group of the tile's rows)
-      ml.sb = ScalesB(t, sb, sb_group, sb_row, sb_col, N);
+    ml.sb = ScalesB(t, sb, sb_group, sb_row, sb_col, N);
 #pragma unroll
-      for (int u = 0; u < SUBS; ++u)
+    for (int u = 0; u < SUBS; ++u)
 #pragma unroll
-        for (int i = 0; i < ACC; ++i) acc[u][i] = 0.f;
-      ml.run_tile(acc, t.kb0, t.kb1);
+      for (int i = 0; i < ACC; ++i) acc[u][i] = 0.f;
+    ml.run_tile(acc, t.kb0, t.kb1);
 
 #if KSPLIT > 1
-      if constexpr (CONSUMERS > 1) named_barrier(3, 256);  // both consumers are done with the stages
-      const int row0 = t.m0 + c * 64;
-      cluster_split_sum<KSPLIT, BN>(acc[0], reinterpret_cast<float*>(smem) + c * 64 * SPLIT_ROW(BN), rank, tid,
-                                    row0 < M && t.n0 < N, [&](int r, int col, f32x4 v) {
-                                      if (row0 + r < M && t.n0 + col < N)  // N % 8 == 0: 4 columns wholly in or out
-                                        store4<KIND_BF16>(d, i64(row0 + r) * ld_d + t.n0 + col, v);
-                                    });
+    if constexpr (CONSUMERS > 1) named_barrier(3, 256);  // both consumers are done with the stages
+    const int row0 = t.m0 + c * 64;
+    cluster_split_sum<KSPLIT, BN>(acc[0], reinterpret_cast<float*>(smem) + c * 64 * SPLIT_ROW(BN), rank, tid,
+                                  row0 < M && t.n0 < N, [&](int r, int col, f32x4 v) {
+                                    if (row0 + r < M && t.n0 + col < N)  // N % 8 == 0: 4 columns wholly in or out
+                                      store4<KIND_BF16>(d, i64(row0 + r) * ld_d + t.n0 + col, v);
+                                  });
 #else
-      store_tile(acc, t, sched, row_groups, &tm_d, d_smem, chunk_seq, d, ld_d, N, c, tid);
+    store_tile(acc, t, sched, row_groups, &tm_d, d_smem, chunk_seq, d, ld_d, N, c, tid);
 #endif
-    } while (sched.next_pass(t));
   }
   epilogue_drain(tid);
 }

@@ -13,6 +13,7 @@ from cudart_kernels.runtime.plans import PLANS
 from cudart_kernels.ops.quantize import mmajor_stride
 from cudart_kernels.runtime.driver import H100, H200
 from cudart_kernels.runtime.interop import DeviceArray
+from cudart_kernels.runtime.launch import get_launcher
 
 FAKE = 0x7F0000000000
 
@@ -95,20 +96,23 @@ def test_config_choices():
     assert tile_and_splits(f.pick_config(1000, 512, 16384, H100)) == (64, 128, 2)  # 8 x 8 tiles -> 16 x 4 x 2
     # ... not where the tiles already fill the SMs (2 x 64 tiles: the split lost, 20.0 -> 21.0 us)
     assert tile_and_splits(f.pick_config(192, 4096, 7168, H100)) == (128, 64, 1)
-    # contiguous: 256-row tiles only when the caller's segments allow them; pairs along N only. 4 x 8192 rows,
-    # N = 4096: 128 x 192 in 43 waves x 40.7 = 1750 us against 128 x 256 in 32 x 61.1 = 1956 and 128 x 128 in
-    # 63 x 29.9 = 1884; 256 x 128 in 32 x 53.7 = 1718 when the segments allow it
-    narrow = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, 128)
-    assert (narrow.bm, narrow.bn, narrow.mcast) == (128, 192, g.MCAST_SHARE_A)
-    cont = f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, 256)
-    assert (cont.bm, cont.bn, cont.mcast) == (256, 128, g.MCAST_SHARE_A)
-    # segments aligned to 64: 128-row tiles (a second pass where a segment starts mid-tile) while groups / 2 is
-    # at most 5% of the 256 rows of tiles, then 64-row ones
-    assert f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 24, 64).bm == 128
-    assert f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 28, 64).bm == 64
-    # uneven experts (7000, 9100, 8192, 6450 rows, segments of 128): 242 row blocks, 128 x 192 in 41 waves against
-    # 128 x 128 in 59 (H100, 2026-11-27, same run: 1533 us against 1632)
-    assert f.pick_config(30976, 4096, 7168, H100, f.CONTIGUOUS, 4, 128).bn == 192
+    # contiguous: pairs along N only. 4 x 8192 rows, N = 4096: 128 x 192 in 43 waves x 40.7 = 1750 us against
+    # 128 x 256 in 32 x 61.1 = 1956 and 128 x 128 in 63 x 29.9 = 1884; 256 x 128 in 32 x 53.7 = 1718, from a tile
+    # list where it is taller than the alignment, with groups / 2 more rows of tiles (32 + 1 waves at 128)
+    def contiguous(m, groups, alignment, n=4096, k=7168):
+        c = f.pick_config(m, n, k, H100, f.CONTIGUOUS, groups, alignment)
+        return c.bm, c.bn, c.mcast, c.tile_list
+    assert contiguous(32768, 4, 256) == (256, 128, g.MCAST_SHARE_A, False)
+    assert contiguous(32768, 4, 128) == (256, 128, g.MCAST_SHARE_A, True)
+    assert contiguous(30976, 4, 128)[3]  # uneven experts (7000, 9100, 8192, 6450 rows, segments of 128)
+    # 16 experts: 8 more rows of 256-row tiles cost more than 128 x 192 (H100, 2026-11-27, same run: 1775 us
+    # against 1693)
+    assert contiguous(32768, 16, 128) == (128, 192, g.MCAST_SHARE_A, False)
+    # segments aligned to 64: 128-row tiles from the list for any number of experts (same run, 16 to 64 experts:
+    # 1.3-1.5x faster than 64-row tiles); 64 rows or fewer in all: one 64-row tile row
+    for groups in (4, 28, 64, 256):
+        assert contiguous(32768, groups, 64)[::3] == (128, True)
+    assert contiguous(64, 4, 64)[::3] == (64, False)
     with pytest.raises(ValueError, match="force_tile has 256 rows"):  # a forced tile may not pass twice the alignment
         f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, 64, tuning=f.Fp8Tuning(force_tile=(256, 128)))
     # 160 columns where the waves favour them (H100, 2026-11-27, same run against the previous pick: 2048x5120x7168
@@ -263,7 +267,7 @@ def test_grouped_configs():
     for g_, rows, n, k in f.BENCH_SHAPES["contiguous"]:
         cfg = f.pick_config(g_ * rows, n, k, H100, f.CONTIGUOUS, g_)
         assert cfg.mcast != g.MCAST_SHARE_B  # tiles paired along M could belong to two experts
-        assert f.pick_config(g_ * rows, n, k, H100, f.CONTIGUOUS, g_, 64).bm == 128  # (few experts: two passes)
+        assert f.pick_config(g_ * rows, n, k, H100, f.CONTIGUOUS, g_, 64).bm == 128  # (from the tile list)
     for g_, rows, n, k in f.BENCH_SHAPES["masked"]:
         cfg = f.pick_config(rows, n, k, H100, f.MASKED, g_)
         assert cfg.bm == 64 if rows <= 64 else cfg.bm in (128, 256) and cfg.bm <= rows
@@ -359,7 +363,7 @@ def _rel_err(got, ref):
 @pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_A])
 def test_grouped_contiguous(rng, alignment, bm, nk, mode):
     """Tiles of the alignment's height, and of twice it: in units of the alignment, expert 0 | padding,
-    padding | expert 2, expert 2, expert 3 | expert 4 (two passes), padding only (skipped)."""
+    padding | expert 2, expert 2, expert 3 | expert 4 (two entries of the tile list), padding only (skipped)."""
     tuning = forced(mode, (bm, 128))
     n, k = nk
     tokens = [100, 0, 257, alignment, 1]  # per expert; each segment padded to `alignment` rows
@@ -383,7 +387,47 @@ def test_grouped_contiguous(rng, alignment, bm, nk, mode):
         assert np.isfinite(got[rows]).all(), f"expert {e}: rows not written"
         assert _rel_err(got[rows], ref) <= 5e-3, e
     assert np.isnan(got[ids < 0]).all(), "a padding row was written"
-    assert {p.cfg.bm for p in plans_under(tuning)} == {bm}
+    assert {(p.cfg.bm, p.cfg.tile_list) for p in plans_under(tuning)} == {(bm, bm > alignment)}
+
+
+def _tile_list_reference(ids, groups, tile_m):
+    """contiguous_tiles.cu's entries: per tile row, the group of its first half, then that of its second half
+    where it differs (ids outside [0, groups) count as padding)."""
+    def group(row):
+        return int(ids[row]) if row < len(ids) and 0 <= ids[row] < groups else -1
+    entries = []
+    for r in range(-(-len(ids) // tile_m)):
+        first, second = group(r * tile_m), group(r * tile_m + tile_m // 2)
+        entries += [(r, x) for x in (first, second if second != first else -1) if x >= 0]
+    return entries
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_m, segments", [(128, "random"), (256, "random"), (128, "every half"),
+                                              (256, "alternating")])
+def test_contiguous_tile_list(rng, tile_m, segments):
+    """The list kernel against its reference over more tile rows than one pass of its CTA (1024), with ids past
+    the groups, padding, a last tile row cut short, and ids that alternate (each half its own entry)."""
+    half, groups = tile_m // 2, 37
+    ids = []
+    if segments == "random":
+        for e in range(groups + 3):  # (the last three ids are past the groups: padding alike)
+            t = int(rng.integers(80 * half, 110 * half)) if e % 5 else 0  # (and some experts without tokens)
+            ids += [e] * t + [-1] * (-t % half)
+    else:  # a new segment at every half (alternating: two groups taking turns)
+        ids = [(i // half) % (groups if segments == "every half" else 2) for i in range(2100 * half)]
+    ids = np.array(ids + [5] * (half // 2), np.int32)  # a segment that ends inside the last half
+    rows = -(-len(ids) // tile_m)
+    assert rows > 1024
+    lst = DeviceArray.empty((2 + 4 * rows,), "int32").fill_bytes(0xFF)
+    launch = get_launcher("contiguous_tiles.cu", "contiguous_tile_list", {}, 0, f._LIST_ARGS, (f._LIST_THREADS,))
+    ids_dev = DeviceArray.from_numpy(ids)
+    launch.run((1, 1, 1), 0, (ids_dev.ptr, len(ids), groups, tile_m, lst.ptr))
+    got = lst.numpy()
+    ref = _tile_list_reference(ids, groups, tile_m)
+    assert got[0] == len(ref)
+    assert [tuple(e) for e in got[2:2 + 2 * len(ref)].reshape(-1, 2)] == ref
+    assert (got[2 + 2 * len(ref):] == -1).all(), "an entry past the count was written"
 
 
 @pytest.mark.gpu

@@ -21,14 +21,16 @@ BK = 128                 # k per stage: 128 e4m3 bytes, one scale block
 MAX_BN = 256             # above 192 a k block runs as two column halves through one scratch set (A in registers)
 MAX_STAGES = 12
 ALIGN_SLACK = 1024
-_ARGS = ("tmap", "tmap", "tmap", "tmap", "tmap", "tmap", "tmap", "ptr", "i64", "i64", "i64", "ptr", "ptr", "i64",
-         "i32", "i32", "i32", "i32", "i32")
+_ARGS = ("tmap", "tmap", "tmap", "tmap", "tmap", "tmap", "tmap", "ptr", "i64", "i64", "i64", "ptr", "ptr", "ptr",
+         "i64", "i32", "i32", "i32", "i32", "i32")
 # ptx/gemm_fp8.cu LAYOUT values
 NORMAL, CONTIGUOUS, MASKED, KGROUPED = "LAYOUT_NORMAL", "LAYOUT_CONTIGUOUS", "LAYOUT_MASKED", "LAYOUT_KGROUPED"
 _CONVERT_ARGS = ("ptr", "i64", "i64", "ptr", "i64", "i32", "i32")
 _CONVERT_THREADS = 256
 _FILL_ARGS = ("ptr", "i32", "i32[512]")  # ptx/fill.cu
 _FILL_MAX = 512
+_LIST_ARGS = ("ptr", "i32", "i32", "i32", "ptr")  # ptx/contiguous_tiles.cu
+_LIST_THREADS = 1024
 
 
 @dataclass(frozen=True)
@@ -59,9 +61,6 @@ class Fp8Tuning(sm90.Sm90Tuning):
     unsplit_min_m: int = 8
     unsplit_min_bn: int = 32
     split_min_k: int = 4096
-    # Contiguous, segments aligned to 64 rows: 128-row tiles (two passes where a segment starts at a tile's second
-    # half) while the expected second passes, groups / 2, are at most this share of the rows of tiles.
-    contig_passes_max: float = 0.05
     force_tile: tuple | None = None  # tests: (BM, BN) for every GEMM (the heuristic picks the rest)
     force_splits: int | None = None  # tests, with force_tile: split-K over clusters of this many CTAs
 
@@ -80,6 +79,7 @@ class Fp8Config:
     layout: str = NORMAL
     splits: int = 1                # split-K: a cluster of `splits` CTAs per tile, one K slice each
     stream_b: bool = False         # B loaded with an evict-first L2 policy (sm90.streams_b)
+    tile_list: bool = False        # contiguous tiles twice the segments' alignment: from a list (TILE_LIST)
 
     @property
     def consumers(self) -> int:
@@ -191,9 +191,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
                 alignment: int = 256, tuning: Fp8Tuning = TUNING) -> Fp8Config:
     """The tile, stages, 2-CTA pairing and tile order for one GEMM (for the masked and K-grouped layouts m is one
     group's rows and the waves count all `groups` groups' tiles). Contiguous: the segments start at multiples of
-    `alignment` rows; tiles are at most that tall but for 128-row tiles at alignment 64, which run twice where a
-    segment starts at a tile's second half (about groups / 2 times per column of tiles for segment sizes that are
-    random multiples of 64), taken while those passes are few (contig_passes_max).
+    `alignment` rows; tiles up to twice that tall (at most 256) come from a tile list (`tile_list`), where a tile
+    row that holds two segments' rows counts once per segment: the tile cost counts groups / 2 more rows of them
+    (segment sizes that are random multiples of the alignment). At alignment 64 that is always 128-row tiles.
 
     BM 64 for M <= 64 (one consumer warpgroup). With several row blocks of 128 (compute-bound), the tile with the
     least waves x estimated tile time (`_tile_us`) among 128 x (64..256) and 256 x 128 (normal GEMM from 512
@@ -206,11 +206,11 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
     there), and contiguous tiles pair along N only (two tiles along M may belong to two experts)."""
     t = tuning
-    # (docs/tuning.md, contig_passes_max: at alignment 64 the 128-row tiles' two consumers win until the second
-    # passes cost more; 256-row tiles at alignment 128 never won enough to pay for theirs)
     tallest = 256
+    extra_rows = 0  # contiguous: rows of tiles taller than the alignment that hold two segments' rows (expected)
     if layout == CONTIGUOUS:
-        tallest = 128 if alignment == 64 and groups // 2 <= t.contig_passes_max * -(-m // 128) else alignment
+        tallest = min(256, 2 * alignment)
+        extra_rows = groups // 2
     bm = 64 if m <= 64 or tallest == 64 else 128
     splits = 1
     per_group = layout in (MASKED, KGROUPED)
@@ -235,7 +235,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
 
         def cost(c):
             tbm, tbn = c
-            tiles = -(-m_all // tbm) * -(-n // tbn)
+            tiles = (-(-m_all // tbm) + (extra_rows if tbm > alignment else 0)) * -(-n // tbn)
             return -(-tiles // props.sm_count) * _tile_us(tbm, tbn, k_blocks, layout, t), -tbn, tbm
         bm, bn = min(cands, key=cost)
         tiles_m = -(-m_all // bm)
@@ -265,7 +265,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         mcast = sm90.pick_multicast(m_all, n, bm, bn, 1, False, props, t, share_b)
     group_m = 1 if t.force_splits else sm90.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     stream_b = layout == NORMAL and sm90.streams_b(m, k, 1, t)
-    return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits, stream_b)
+    tile_list = layout == CONTIGUOUS and bm > alignment
+    return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits, stream_b,
+                     tile_list)
 
 
 def _defines(cfg: Fp8Config) -> dict:
@@ -278,6 +280,8 @@ def _defines(cfg: Fp8Config) -> dict:
         d["KSPLIT"] = cfg.splits
     if cfg.stream_b:
         d["STREAM_B"] = 1
+    if cfg.tile_list:
+        d["TILE_LIST"] = 1
     return d
 
 
@@ -315,7 +319,8 @@ def variants():
     for cfg in list(_bench_configs(H100)) + ragged:
         d = _defines(cfg)
         seen[tuple(sorted(d.items()))] = ("gemm_fp8.cu", "gemm_fp8_kernel", d, cfg.smem)
-    return list(seen.values()) + [("fp8_scales.cu", "scales_to_mmajor", {}, 0), ("fill.cu", "fill_i32", {}, 0)]
+    return list(seen.values()) + [("fp8_scales.cu", "scales_to_mmajor", {}, 0), ("fill.cu", "fill_i32", {}, 0),
+                                  ("contiguous_tiles.cu", "contiguous_tile_list", {}, 0)]
 
 
 # ---- scales ---------------------------------------------------------------------------------------------------
@@ -415,10 +420,11 @@ class _Plan:
     map_d: MapLayout
     sa: _MMajor
     sb: _MMajor | None     # KGROUPED only
-    scratch: tuple         # (slot, bytes, zeroed): the scales' M-major copies, the K-grouped offsets
+    scratch: tuple         # (slot, bytes, zeroed): the scales' M-major copies, the K-grouped offsets, the tile list
     sb_strides: tuple      # sB's (group, row, column) strides as the kernel takes them
     ld_d: int
     args: tuple            # M, N, K, groups as the kernel takes them
+    tile_list: object = None  # contiguous_tiles.cu's launcher (cfg.tile_list), run before the GEMM
     memo: ArgsMemo = field(default_factory=ArgsMemo, compare=False, repr=False)
 
 
@@ -458,13 +464,18 @@ def _make_plan(layout, av, sav, bv, sbv, dv, sb_strides, m, n, k, groups, alignm
             scratch.append(("fp8_sb_mmajor", sb.ld * sbv.shape[1] * 4, False))
         map_sb = MapLayout(dt.float32, (n, kb), (sb.ld * 4,), (cfg.bn, 1), 0)
         scratch.append(("kgrouped_offsets", (groups + 1) * 4, False))
+    tile_list = None
+    if cfg.tile_list:  # the count, then up to two (tile row, group) int2 entries per tile row (any ids)
+        tile_list = get_launcher("contiguous_tiles.cu", "contiguous_tile_list", {}, av.device, _LIST_ARGS,
+                                 (_LIST_THREADS,))
+        scratch.append(("fp8_tile_list", 8 * (1 + 2 * -(-m // cfg.bm)), False))
     ob = _out_bytes(layout)
     ch = _chunk(cfg.bn, ob)
     map_d = MapLayout(dt.float32 if ob == 4 else dt.bfloat16, (n, dv.shape[0]), (dv.strides[0] * ob,), (ch, 64),
                       ch * ob)
     # m / n: the rows of a group of A / B (the maps' row counts are multiples of them): their boxes across the end
     return _Plan(cfg, launch, grid, map_a, map_b, sm90.edge_map(map_a, m), sm90.edge_map(map_b, n), map_sa, map_sb,
-                 map_d, sa, sb, tuple(scratch), sb_strides, dv.strides[0], (m, n, k, groups))
+                 map_d, sa, sb, tuple(scratch), sb_strides, dv.strides[0], (m, n, k, groups), tile_list)
 
 
 def _fill_offsets(ks: tuple, dst: int, device: int, h: int) -> None:
@@ -520,20 +531,26 @@ def _launch(plan, h, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr, ks=None):
             _fill_offsets(ks, info_ptr, device, h)
         else:
             sb_mmajor = 0
-        plan.launch.run(plan.grid, h, _args(plan, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor))
+        list_ptr = 0
+        if plan.tile_list is not None:
+            list_ptr = next(slots)
+            m, _, _, groups = plan.args
+            plan.tile_list.run((1, 1, 1), h, (info_ptr, m, groups, plan.cfg.bm, list_ptr))
+        plan.launch.run(plan.grid, h, _args(plan, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor, list_ptr))
     finally:
         leave_device(caller)
 
 
-def _args(plan, a_ptr, sa_mmajor, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor=0) -> tuple:
-    """The kernel's arguments; sa_mmajor / sb_mmajor: the scales the sA / sB maps read (sB: K-grouped only)."""
+def _args(plan, a_ptr, sa_mmajor, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor=0, list_ptr=0) -> tuple:
+    """The kernel's arguments; sa_mmajor / sb_mmajor: the scales the sA / sB maps read (sB: K-grouped only);
+    list_ptr: the tile list (contiguous with cfg.tile_list)."""
     maps = sm90.thread_maps()
     map_sa = maps.get(plan.map_sa, sa_mmajor)
     map_sb = map_sa if plan.map_sb is None else maps.get(plan.map_sb, sb_mmajor)  # (unused without K groups)
     map_a, map_a_edge = sm90.operand_maps(maps, plan.map_a, plan.map_a_edge, a_ptr)
     map_b, map_b_edge = sm90.operand_maps(maps, plan.map_b, plan.map_b_edge, b_ptr)
     return (map_a, map_b, map_a_edge, map_b_edge, map_sa, map_sb, maps.get(plan.map_d, d_ptr), sb_ptr,
-            *plan.sb_strides, info_ptr, d_ptr, plan.ld_d, *plan.args, plan.cfg.group_m)
+            *plan.sb_strides, info_ptr, list_ptr, d_ptr, plan.ld_d, *plan.args, plan.cfg.group_m)
 
 
 def _output(dv, av, shape, dtype, native, h, stream) -> DeviceArray:
@@ -583,10 +600,12 @@ def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment:
     a: [M, K] e4m3, sa: [M, ceil(K/128)] fp32, b: [G, N, K] e4m3, sb: [G, ceil(N/128), ceil(K/128)] fp32,
     m_indices: [M] int32 on the GPU, the expert of each row or -1 for a padding row; out: [M, N] bf16.
     Each expert's segment must start at a multiple of `alignment` rows (64, 128 or 256), the padding rows of a
-    segment after its tokens. Tiles are at most `alignment` rows tall (256 allows 256-row tiles, up to 2% faster
-    than 128-row ones on large groups), except at 64 with few experts for the rows, where 128-row tiles (1.1-1.5x
-    faster) run once per expert on the tiles whose second half starts another expert's segment. Tiles of padding
-    rows only are skipped entirely (no loads, no math, no writes); padding rows are never written. Scales as for
+    segment after its tokens. Tiles may be up to twice the alignment tall (at most 256 rows): a small kernel
+    first lists the rows of tiles per expert on the GPU (a row of tiles that holds the end of one segment and the
+    start of the next runs once per expert), so that every unit of the persistent grid is one tile of work. At
+    alignment 64, 128-row tiles run 1.3-1.5x faster than 64-row ones (16 to 64 experts on 32k rows, H100); at
+    128, 256-row tiles are taken for few experts per row (2-3% faster at K 7168). Tiles of padding rows only
+    are skipped entirely (no loads, no math, no writes); padding rows are never written. Scales as for
     `gemm_fp8`. Not checked on the host (it would need a device sync): a segment that starts off the alignment
     leaves the rows of its first tile that belong to it unwritten.
     """

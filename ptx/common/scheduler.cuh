@@ -36,6 +36,7 @@ __device__ __forceinline__ ChunkedUnit chunked_unit(int u, int blocks, int group
 // Layouts of a GEMM's operands (a kernel's LAYOUT define; `info` is a device int array).
 #define LAYOUT_NORMAL 0      // one GEMM
 #define LAYOUT_CONTIGUOUS 1  // MoE prefill: A's rows are the groups' rows back to back, info[m] the group of row m
+                             // (tiles taller than the segments' alignment: from a list, contiguous_tiles.cu)
 #define LAYOUT_MASKED 2      // MoE decode: G GEMMs of M rows, only the first info[g] rows of group g count
 #define LAYOUT_KGROUPED 3    // weight gradient: group g sums k in [info[g], info[g + 1]) into its own D[g]
 
@@ -44,8 +45,6 @@ struct GemmTile {
   int tm, tn;        // tile row and column in the tile grid (of its group)
   int m0, n0;        // tile origin in D's rows (of its group) and columns
   int g;             // group
-  int g2;            // LAYOUT_CONTIGUOUS: the group of the tile's second half where it starts another group's
-                     // segment (-1: none); the tile then runs a second pass for it (next_pass)
   int a_row, b_row;  // first row of the A and B tiles in their (flattened) maps
   int d_row;         // first row of the tile in D's (flattened) map
   int kb0, kb1;      // k blocks [kb0, kb1)
@@ -60,25 +59,34 @@ struct GemmTile {
 // - (cluster tile, split) pairs, split fastest, with `splits` slices of K (split-K through global memory: a unit
 //   then only ever waits on a unit with a smaller index, which a resident CTA has already started);
 // - per group (ORDER LAYOUT_MASKED, LAYOUT_KGROUPED: M counts one group's rows), group slowest;
-// - with CLUSTER_SPLITS > 1, one cluster tile whose CLUSTER_SPLITS CTAs (cluster rank = slice) each take a slice of K.
+// - with CLUSTER_SPLITS > 1, one cluster tile whose CLUSTER_SPLITS CTAs (cluster rank = slice) each take a slice of K;
+// - LISTED (LAYOUT_CONTIGUOUS): rows of tiles are the entries (tile row, group) of `list` (contiguous_tiles.cu), so
+//   a tile row that holds two groups' rows is two rows of units, one per group.
 // A CTA of a pair may get a tile past the edge (odd tile count): it still loads its half for its partner.
-template <int TILE_M, int TILE_N, int TILE_K, int PAIRING, int ORDER = LAYOUT_NORMAL, int CLUSTER_SPLITS = 1>
+template <int TILE_M, int TILE_N, int TILE_K, int PAIRING, int ORDER = LAYOUT_NORMAL, int CLUSTER_SPLITS = 1,
+          bool LISTED = false>
 struct GemmScheduler : PersistentUnits {
   static constexpr bool PER_GROUP = ORDER == LAYOUT_MASKED || ORDER == LAYOUT_KGROUPED;
+  static_assert(!LISTED || (ORDER == LAYOUT_CONTIGUOUS && PAIRING != 1), "a list of contiguous tile rows");
   int tiles_m, cl_tiles_m, cl_tiles_n, per_group, group_m, splits, k_blocks, M, N, groups;
   u32 rank;
   const int* info;
+  const int2* list;  // LISTED: the entries (after the count)
 
   __device__ __forceinline__ static int cl_tiles(int tiles, bool paired) { return paired ? (tiles + 1) / 2 : tiles; }
+  // Rows of units: of tiles, or the list's entries (read after pdl_wait: the list kernel writes them).
+  __device__ __forceinline__ static int unit_rows(int M_, const int* list_) {
+    return LISTED ? __ldg(list_) : (M_ + TILE_M - 1) / TILE_M;
+  }
 
   // M, N, K: one group's GEMM (LAYOUT_CONTIGUOUS: M counts all rows; LAYOUT_KGROUPED: K counts all groups').
   __device__ __forceinline__ GemmScheduler(int M_, int N_, int K, int splits_, int groups_, int group_m_,
-                                           const int* info_, u32 rank_, int cluster)
-      : PersistentUnits(cl_tiles((M_ + TILE_M - 1) / TILE_M, PAIRING == 1) *
+                                           const int* info_, u32 rank_, int cluster, const int* list_ = nullptr)
+      : PersistentUnits(cl_tiles(unit_rows(M_, list_), PAIRING == 1) *
                             cl_tiles((N_ + TILE_N - 1) / TILE_N, PAIRING == 2) * (PER_GROUP ? groups_ : splits_),
                         cluster),
         tiles_m((M_ + TILE_M - 1) / TILE_M),
-        cl_tiles_m(cl_tiles((M_ + TILE_M - 1) / TILE_M, PAIRING == 1)),
+        cl_tiles_m(cl_tiles(unit_rows(M_, list_), PAIRING == 1)),
         cl_tiles_n(cl_tiles((N_ + TILE_N - 1) / TILE_N, PAIRING == 2)),
         per_group(cl_tiles_m * cl_tiles_n),
         group_m(group_m_),
@@ -88,7 +96,8 @@ struct GemmScheduler : PersistentUnits {
         N(N_),
         groups(groups_),
         rank(rank_),
-        info(info_) {}
+        info(info_),
+        list(LISTED ? reinterpret_cast<const int2*>(list_) + 1 : nullptr) {}
 
   __device__ __forceinline__ GemmTile tile(int unit) const {
     GemmTile t;
@@ -112,20 +121,15 @@ struct GemmScheduler : PersistentUnits {
     t.kb1 = (t.split + 1) * k_blocks / splits;
     t.rows = M;
     t.skip = false;
-    t.g2 = -1;
-    if constexpr (ORDER == LAYOUT_CONTIGUOUS) {  // each group's rows start at a multiple of TILE_M / 2
-      const auto valid = [&](int g) { return g >= 0 && g < groups; };  // (-1: padding; an id past the groups alike)
+    if constexpr (ORDER == LAYOUT_CONTIGUOUS && LISTED) {  // t.tm was an entry of the list
+      const int2 e = __ldg(list + t.tm);
+      t.tm = e.x;
+      t.g = e.y;
+      t.m0 = t.a_row = t.d_row = t.tm * TILE_M;
+      t.b_row = t.g * N + t.n0;
+    } else if constexpr (ORDER == LAYOUT_CONTIGUOUS) {  // each group's rows start at a multiple of TILE_M
       t.g = __ldg(info + min(t.m0, M - 1));
-      if constexpr (TILE_M >= 128) {  // a segment may start at the tile's second half
-        const int mid = t.m0 + TILE_M / 2;
-        const int g_mid = mid < M ? __ldg(info + mid) : -1;
-        if (!valid(t.g)) {
-          t.g = g_mid;
-        } else if (valid(g_mid) && g_mid != t.g) {
-          t.g2 = g_mid;
-        }
-      }
-      t.skip = !valid(t.g);
+      t.skip = t.g < 0 || t.g >= groups;  // (-1: padding; an id past the groups alike)
       t.b_row = max(t.g, 0) * N + t.n0;
     } else if constexpr (ORDER == LAYOUT_MASKED) {
       t.rows = min(__ldg(info + t.g), M);
@@ -145,20 +149,6 @@ struct GemmScheduler : PersistentUnits {
       t.kb1 = (int(rank) + 1) * blocks / CLUSTER_SPLITS;
     }
     return t;
-  }
-
-  // LAYOUT_CONTIGUOUS: a tile whose halves belong to two groups runs once per group, each pass writing its own
-  // group's rows (row_writable). After a pass: true if another follows, with t turned into it. Producer and
-  // consumers decode the same tiles, so they agree on the passes.
-  __device__ __forceinline__ bool next_pass(GemmTile& t) const {
-    if constexpr (ORDER == LAYOUT_CONTIGUOUS) {
-      if (t.g2 < 0) return false;
-      t.g = t.g2;
-      t.g2 = -1;
-      t.b_row = t.g * N + t.n0;
-      return true;
-    }
-    return false;
   }
 
   // LAYOUT_CONTIGUOUS: the group of row r (from the tile's origin), -1 past the rows.
