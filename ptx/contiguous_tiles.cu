@@ -15,7 +15,10 @@ static_assert(THREADS == 32 * 32, "the warp totals are scanned by one warp");
 extern "C" __global__ void __launch_bounds__(THREADS) contiguous_tile_list(const int* ids, int M, int groups,
                                                                            int tile_m, int* list) {
   __shared__ int warp_sums[THREADS / 32];
-  pdl_launch_dependents();  // the GEMM may start its prologue; it reads the list only once this grid is done
+  // Launched with PDL like the GEMMs: this grid starts under the previous kernel's tail, and the GEMM's prologue
+  // under this one (the GEMM reads the list only once this grid is done).
+  pdl_launch_dependents();
+  pdl_wait();  // (the ids may come from the previous kernel, and the list's last reader is the previous GEMM)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int rows = (M + tile_m - 1) / tile_m;
   int2* entries = reinterpret_cast<int2*>(list) + 1;

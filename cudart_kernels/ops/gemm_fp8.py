@@ -467,7 +467,7 @@ def _make_plan(layout, av, sav, bv, sbv, dv, sb_strides, m, n, k, groups, alignm
     tile_list = None
     if cfg.tile_list:  # the count, then up to two (tile row, group) int2 entries per tile row (any ids)
         tile_list = get_launcher("contiguous_tiles.cu", "contiguous_tile_list", {}, av.device, _LIST_ARGS,
-                                 (_LIST_THREADS,))
+                                 (_LIST_THREADS,), pdl=tuning.pdl)
         scratch.append(("fp8_tile_list", 8 * (1 + 2 * -(-m // cfg.bm)), False))
     ob = _out_bytes(layout)
     ch = _chunk(cfg.bn, ob)
