@@ -390,6 +390,31 @@ def test_grouped_contiguous(rng, alignment, bm, nk, mode):
     assert {(p.cfg.bm, p.cfg.tile_list) for p in plans_under(tuning)} == {(bm, bm > alignment)}
 
 
+@pytest.mark.gpu
+def test_contiguous_tile_list_per_call(rng):
+    """Calls back to back on one stream with other ids each rebuild the tile list (the same scratch buffer, the
+    list kernel of one call under the tail of the previous GEMM): each output matches its own ids."""
+    n, k, groups, m = 264, 512, 4, 1024
+    a, sa = _e4m3(rng, (m, k)), _scales(rng, (m, k // 128))
+    b, sb = _e4m3(rng, (groups, n, k)), _scales(rng, (groups, 3, k // 128))
+    sa_dev, keep = _mmajor(sa)
+    a_dev, b_dev, sb_dev = DeviceArray.from_numpy(a), DeviceArray.from_numpy(b), DeviceArray.from_numpy(sb)
+    layouts = [np.repeat(np.array(order, np.int32), m // 16) for order in  # segments of 64 rows: 16 a call
+               ([0] * 4 + [1] * 5 + [2] * 3 + [3] * 4, [3, 2, 1, 0] * 4, [-1, 0, 0, 1, 1, 1, 2, 3] * 2)]
+    ids_dev = [DeviceArray.from_numpy(ids) for ids in layouts]
+    outs = [DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF) for _ in layouts]
+    for i, o in zip(ids_dev, outs):  # (no synchronisation between the calls)
+        ck.gemm_fp8_grouped_contiguous(a_dev, sa_dev, b_dev, sb_dev, i, o, alignment=64)
+    for ids, o in zip(layouts, outs):
+        got = o.numpy().astype(np.float64)
+        for e in range(groups):
+            rows = ids == e
+            ref = _deq_rows(a[rows], sa[rows]) @ _deq_blocks(b[e], sb[e]).T
+            assert _rel_err(got[rows], ref) <= 5e-3, e
+        assert np.isnan(got[ids < 0]).all()
+    assert f.pick_config(m, n, k, H100, f.CONTIGUOUS, groups, 64).tile_list
+
+
 def _tile_list_reference(ids, groups, tile_m):
     """contiguous_tiles.cu's entries: per tile row, the group of its first half, then that of its second half
     where it differs (ids outside [0, groups) count as padding)."""
