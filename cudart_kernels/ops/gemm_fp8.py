@@ -445,8 +445,9 @@ def _make_plan(layout, av, sav, bv, sbv, dv, sb_strides, m, n, k, groups, alignm
         launch = _launcher(cfg, av.device, tuning)
     if cfg.splits > 1:  # one tile per cluster
         grid = (tiles * cfg.splits, 1, 1)
-    else:
-        grid = sm90.persistent_grid(launch, m_all, n, cfg.bm, cfg.bn, cfg.mcast, 1, cfg.smem, props)
+    else:  # (a tile list holds up to one more row of tiles per group: a CTA for each where they fit)
+        rows = m_all + (min(groups, -(-m // cfg.bm)) * cfg.bm if cfg.tile_list else 0)
+        grid = sm90.persistent_grid(launch, rows, n, cfg.bm, cfg.bn, cfg.mcast, 1, cfg.smem, props)
     kb = -(-k // 128)
     a_box = sm90.box_rows(cfg.bm, cfg.mcast == MCAST_SHARE_A)
     b_box = sm90.box_rows(cfg.bn, cfg.mcast == MCAST_SHARE_B)
