@@ -106,8 +106,8 @@ def _arr(shape, dtype="bfloat16", device=0, strides=None):
 class FakeLauncher:
     """Stands in for one kernel variant's launcher on one device: records (device, stream, current context)."""
 
-    def __init__(self, device, rec):
-        self.device, self.rec = device, rec
+    def __init__(self, device, rec, entry=""):
+        self.device, self.rec, self.entry = device, rec, entry
         self.function = types.SimpleNamespace(device=device)
 
     def __call__(self, grid, stream, *args):
@@ -115,6 +115,7 @@ class FakeLauncher:
 
     def run(self, grid, stream, args):
         self.rec.launches.append((self.device, stream, self.rec.fake.current))
+        self.rec.args.append((self.entry, grid, args))
 
     def max_active_clusters(self):
         return 66
@@ -124,10 +125,10 @@ class Recorder:
     """Stands in for an op's get_launcher: one launcher per (source, entry, device)."""
 
     def __init__(self, fake):
-        self.fake, self.made, self.launches = fake, {}, []
+        self.fake, self.made, self.launches, self.args = fake, {}, [], []
 
     def get_launcher(self, source, entry, defines, device, *args, **kw):
-        return self.made.setdefault((source, entry, device), FakeLauncher(device, self))
+        return self.made.setdefault((source, entry, device), FakeLauncher(device, self, entry))
 
 
 @pytest.fixture
@@ -254,6 +255,9 @@ _EVERY_OP = {
     "contiguous": lambda: ck.gemm_fp8_grouped_contiguous(
         _arr((128, 256), "e4m3", 1), _mmajor(128, 2), _arr((2, 128, 256), "e4m3", 1), _arr((2, 1, 2), "float32", 1),
         _arr((128,), "int32", 1), out=_arr((128, 128), device=1)),
+    "contiguous, tile list": lambda: ck.gemm_fp8_grouped_contiguous(
+        _arr((1024, 256), "e4m3", 1), _mmajor(1024, 2), _arr((2, 512, 256), "e4m3", 1),
+        _arr((2, 4, 2), "float32", 1), _arr((1024,), "int32", 1), out=_arr((1024, 512), device=1), alignment=64),
     "masked": lambda: ck.gemm_fp8_grouped_masked(
         _arr((2, 64, 256), "e4m3", 1), _arr((2, 64, 2), "float32", 1, (64, 1, 128)), _arr((2, 128, 256), "e4m3", 1),
         _arr((2, 1, 2), "float32", 1), _arr((2,), "int32", 1), out=_arr((2, 64, 128), device=1)),
@@ -276,6 +280,24 @@ def test_every_op_launches_in_its_arrays_context(fake_driver, recorder, case):
     assert recorder.launches and all(launch == (1, 0, CTX[1]) for launch in recorder.launches)  # (conversions too)
     assert fake_driver.current == CTX[0]
     assert set(fake_driver.calls("cuMemAllocAsync")) <= {CTX[1]}  # scratch, if any, on device 1
+
+
+def test_contiguous_tile_list_launch(fake_driver, recorder):
+    """Tiles taller than the alignment: the list kernel runs first on the call's stream, on the ids, into a scratch
+    buffer that the GEMM then gets as its tile list (the argument after the ids); without, the GEMM gets none."""
+    m, ids = 1024, _arr((1024,), "int32", 1)
+    args = (_arr((m, 256), "e4m3", 1), _mmajor(m, 2), _arr((2, 512, 256), "e4m3", 1), _arr((2, 4, 2), "float32", 1),
+            ids)
+    ck.gemm_fp8_grouped_contiguous(*args, out=_arr((m, 512), device=1), alignment=64, stream=0x2345)
+    (lst, lst_grid, lst_args), (gemm, _, gemm_args) = recorder.args
+    assert (lst, gemm) == ("contiguous_tile_list", "gemm_fp8_kernel") and lst_grid == (1, 1, 1)
+    assert lst_args[:4] == (ids.ptr, m, 2, 128) and lst_args[4] not in (0, ids.ptr)
+    assert gemm_args[11:13] == (ids.ptr, lst_args[4])
+    assert [launch[1] for launch in recorder.launches] == [0x2345, 0x2345]
+    recorder.args.clear()
+    ck.gemm_fp8_grouped_contiguous(*args, out=_arr((m, 512), device=1), alignment=256, stream=0x2345)
+    [(gemm, _, gemm_args)] = recorder.args
+    assert gemm == "gemm_fp8_kernel" and gemm_args[11:13] == (ids.ptr, 0)
 
 
 # ---- caches keyed per device -------------------------------------------------------------------------------------
