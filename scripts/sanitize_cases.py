@@ -128,7 +128,7 @@ for mode in (g.MCAST_NONE, g.MCAST_SHARE_A):
     sw3 = DeviceArray(sw3.ptr, (2, 2, 5), sw3.dtype, None, sw3.device, owner=sw3)
     d = ck.gemm_fp8_grouped_contiguous(qa3, sa3, qw3, sw3, ids, tuning=t)
     assert np.isfinite(d.numpy()[:100].astype(np.float32)).all()
-    # a 256-row tile over both experts' segments (aligned to 128): one pass per expert
+    # 256-row tiles over both experts' segments (aligned to 128): from the tile list, one entry per expert
     d2 = ck.gemm_fp8_grouped_contiguous(qa3, sa3, qw3, sw3, ids, tuning=replace(t, force_tile=(256, 128)))
     for rows in (slice(0, 100), slice(128, 256)):
         got, want = d2.numpy()[rows].astype(np.float32), d.numpy()[rows].astype(np.float32)
