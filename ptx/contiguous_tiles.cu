@@ -12,6 +12,16 @@
 constexpr int THREADS = 1024;  // one CTA walks the tile rows, THREADS at a time
 static_assert(THREADS == 32 * 32, "the warp totals are scanned by one warp");
 
+// x summed over lanes 0..lane of the warp.
+__device__ __forceinline__ int warp_inclusive_sum(int x, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS) contiguous_tile_list(const int* ids, int M, int groups,
                                                                            int tile_m, int* list) {
   __shared__ int warp_sums[THREADS / 32];
@@ -34,23 +44,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) contiguous_tile_list(const
       if (second == first) second = -1;
     }
     const int n = (first >= 0) + (second >= 0);
-    int x = n;  // inclusive scan of n over the warp, then over the warps
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const int y = __shfl_up_sync(0xffffffffu, x, o);
-      if (lane >= o) x += y;
-    }
+    const int x = warp_inclusive_sum(n, lane);  // over the warp, then the warp totals over the warps
     if (lane == 31) warp_sums[warp] = x;
     __syncthreads();
-    if (warp == 0) {
-      int s = warp_sums[lane];
-#pragma unroll
-      for (int o = 1; o < 32; o *= 2) {
-        const int y = __shfl_up_sync(0xffffffffu, s, o);
-        if (lane >= o) s += y;
-      }
-      warp_sums[lane] = s;
-    }
+    if (warp == 0) warp_sums[lane] = warp_inclusive_sum(warp_sums[lane], lane);
     __syncthreads();
     int e = base + x - n + (warp > 0 ? warp_sums[warp - 1] : 0);
     if (first >= 0) entries[e++] = make_int2(r, first);
