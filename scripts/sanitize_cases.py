@@ -101,6 +101,12 @@ for mode in (g.MCAST_SHARE_B, g.MCAST_SHARE_A):
         d = ck.gemm_fp8(qa, scales, qb, sb, tuning=t)
         assert np.abs(d.numpy().astype(np.float64) - ref8).max() < 2e-2 * np.abs(ref8).max(), mode
     assert {p.cfg.mcast for p in plans_under("gemm_fp8", t)} == {mode}
+# Two rows of 64-row tiles in a pair sharing B, the second row partial (72 rows: the narrow pairs of _small_m).
+qa72, sa72 = ck.quantize_fp8_per_token(DeviceArray.from_numpy(x8.numpy()[:72]))
+t = replace(f.TUNING, force_tile=(64, 64), force_mcast=g.MCAST_SHARE_B)
+d = ck.gemm_fp8(qa72, sa72, qb, sb, tuning=t)
+assert np.abs(d.numpy().astype(np.float64) - ref8[:72]).max() < 2e-2 * np.abs(ref8).max(), "narrow pairs"
+assert {(p.cfg.bm, p.cfg.mcast) for p in plans_under("gemm_fp8", t)} == {(64, g.MCAST_SHARE_B)}
 # Tiles of more than 192 columns (two column halves, A from registers), 128 and 64 rows.
 for bm in (128, 64):
     check8(replace(f.TUNING, force_tile=(bm, 256), force_mcast=g.MCAST_NONE), bm)

@@ -66,8 +66,14 @@ def test_config_choices():
     small = f.pick_config(128, 7168, 16384, H100)
     assert (small.bm, small.bn, small.mcast) == (128, 64, g.MCAST_NONE)
     # ... unless 64-row tiles stream much less per CTA: 128 x 16 tiles (144 rows of K per CTA) -> 64 x 32 (96)
+    # Its two rows of 64 x 64 tiles pair along M, sharing B (H100, 2026-11-27: 160 shapes M 65..128, N 3200..4096,
+    # 0.876-0.988x the unpaired time); 64 x 48 tiles do not (no gain measured).
     narrow = f.pick_config(128, 4096, 7168, H100)
-    assert (narrow.bm, narrow.bn, narrow.mcast, narrow.splits) == (64, 64, g.MCAST_NONE, 1)
+    assert (narrow.bm, narrow.bn, narrow.mcast, narrow.splits, narrow.cluster) == (64, 64, g.MCAST_SHARE_B, 1, 2)
+    for m, n, k in ((100, 4000, 3088), (72, 3600, 1040)):  # the GPU tests' shapes for these pairs
+        assert f.pick_config(m, n, k, H100).mcast == g.MCAST_SHARE_B
+    assert f.pick_config(128, 3072, 7168, H100).mcast == g.MCAST_NONE
+    assert f.pick_config(64, 4096, 7168, H100).mcast == g.MCAST_NONE  # one row of 64
     # split-K in two when it cuts the fill to 2/3 or less: 128 x 2112 x 7168, 64 x 32 tiles (132 tiles, 96 rows
     # of 7168 a CTA) -> 64 x 64 tiles, two K halves (66 x 2 units, 128 rows of 3584)
     split = f.pick_config(128, 2112, 7168, H100)
@@ -191,7 +197,8 @@ SHAPES = [(1, 16, 16), (3, 24, 48), (17, 136, 208), (64, 256, 128), (65, 264, 10
           (129, 2112, 384), (300, 1000, 1040), (777, 776, 2064), (4096, 2112, 272), (2048, 7168, 512),
           (150, 520, 8208), (250, 1000, 4112),  # two rows of tiles split in two by the pick
           (20, 3000, 16400), (140, 2104, 16400),  # B of 32-64 MB split in two (narrow tiles; half the SMs idle)
-          (40, 4000, 4112), (100, 7000, 4112)]  # one row of tiles that fills the SMs: not split
+          (40, 4000, 4112), (100, 7000, 4112),  # one row of tiles that fills the SMs: not split
+          (100, 4000, 3088), (72, 3600, 1040)]  # two rows of 64 x 64 tiles paired along M (the second partial)
 
 
 @pytest.mark.gpu

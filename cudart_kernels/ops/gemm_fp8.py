@@ -49,6 +49,9 @@ class Fp8Tuning(sm90.Sm90Tuning):
     # narrow_rows_gain of the fill per CTA.
     narrow_rows_max_bn: int = 64
     narrow_rows_gain: float = 0.85
+    # Those two rows of 64-row tiles (M 65..128, no split) pair along M, sharing B, where the tiles are at least
+    # narrow_pair_min_bn wide.
+    narrow_pair_min_bn: int = 64
     # Split-K in two where it cuts each CTA's fill to split_gain or less, K >= split_min_k, and B is at most
     # split_max_b_bytes (split_wide_max_b_bytes where the unsplit tiles are split_wide_bn or more columns wide and
     # busy half the SMs); one row of tiles at least unsplit_min_bn wide that busies unsplit_fill of the SMs (and
@@ -199,7 +202,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     least waves x estimated tile time (`_tile_us`) among 128 x (64..256) and 256 x 128 (normal GEMM from 512
     rows, masked from 256 rows a group, contiguous when the segments allow it); otherwise (memory-bound) BM 128 and BN
     a multiple of 16 up to max_bn_memory_bound (or N rounded up to 16) with the fewest waves, then the fullest
-    last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_small_m`). Either
+    last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_small_m`; their two
+    rows pair along M, sharing B, from narrow_pair_min_bn columns). Either
     way, a 2-way split-K over 2-CTA clusters where it streams much less per CTA and, for several rows of tiles,
     where the tiles would leave half the SMs idle (`_split_in_two`). Stages fill the shared-memory budget, up to
     one tile's k blocks (at least min_stages). Pairs and tile order as for the BF16 GEMM, but no pairs with a
@@ -251,7 +255,11 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
                   if max_stages(bm, b, budget, layout) >= 3]
         bn = sm90.fewest_waves_bn(m_all, n, bm, widths, props)
         if layout == NORMAL and tiles_m == 1:
-            bm, bn, splits = _small_m(m, n, k, bm, bn, props, t)  # tiles_m stays 1: no pairs (measured without)
+            bm, bn, splits = _small_m(m, n, k, bm, bn, props, t)
+            # Two rows of 64-row tiles: paired they read B once (H100, 128x4096x7168 14.8 -> 13.4 us); narrower
+            # tiles gained nothing (bn 16..48: 0.98-1.02x). A row of 128 stays unpaired (tiles_m stays 1).
+            if bm == 64 and m > 64 and splits == 1 and bn >= t.narrow_pair_min_bn:
+                tiles_m = 2
     # Stages beyond one tile's k blocks (at least min_stages) only prefetch the next tile, which competes for DRAM
     # with this tile's loads: H100, 64x32768x512 (four k blocks) 9.5 us with 4 stages against 10.6 with 8.
     stages = min(max_stages(bm, bn, budget, layout), max(k_blocks, t.min_stages))
