@@ -62,16 +62,23 @@ def test_config_choices():
     # 7168 x 7168 178.5 us against 185.4 for 128 x 128; 6144 x 5120 x 7168 0.92x the 256 x 128 time)
     assert f.pick_config(2048, 7168, 7168, H100).bn == 192
     assert (f.pick_config(6144, 5120, 7168, H100).bm, f.pick_config(6144, 5120, 7168, H100).bn) == (128, 192)
-    # one row of tiles: memory-bound, fewest waves, no pairs
+    # one row of tiles: memory-bound, fewest waves (128 x 64 here, and 128 x 128 at N = 16384), no pairs along N;
+    # at most 64 wide and M > 64 it runs as two rows of 64 x 2BN tiles paired along M (H100, 2026-11-27: 93 shapes
+    # M 72..128, N 4608..8192, 0.841-0.981x the time; wider pairs lost, 1.048x over 96 shapes)
     small = f.pick_config(128, 7168, 16384, H100)
-    assert (small.bm, small.bn, small.mcast) == (128, 64, g.MCAST_NONE)
+    assert (small.bm, small.bn, small.mcast, small.splits) == (64, 128, g.MCAST_SHARE_B, 1)
+    assert (f.pick_config(72, 5120, 7168, H100).bm, f.pick_config(72, 5120, 7168, H100).bn) == (64, 96)
+    wide = f.pick_config(128, 16384, 7168, H100)
+    assert (wide.bm, wide.bn, wide.mcast) == (128, 128, g.MCAST_NONE)
+    assert f.pick_config(64, 7168, 16384, H100).mcast == g.MCAST_NONE  # one row of 64: nothing to pair
     # ... unless 64-row tiles stream much less per CTA: 128 x 16 tiles (144 rows of K per CTA) -> 64 x 32 (96)
     # Its two rows of 64 x 64 tiles pair along M, sharing B (H100, 2026-11-27: 160 shapes M 65..128, N 3200..4096,
     # 0.876-0.988x the unpaired time); 64 x 48 tiles do not (no gain measured).
     narrow = f.pick_config(128, 4096, 7168, H100)
     assert (narrow.bm, narrow.bn, narrow.mcast, narrow.splits, narrow.cluster) == (64, 64, g.MCAST_SHARE_B, 1, 2)
-    for m, n, k in ((100, 4000, 3088), (72, 3600, 1040)):  # the GPU tests' shapes for these pairs
-        assert f.pick_config(m, n, k, H100).mcast == g.MCAST_SHARE_B
+    for m, n, k, bn in ((100, 4000, 3088, 64), (72, 3600, 1040, 64), (80, 7000, 2064, 128), (120, 5000, 1040, 96)):
+        cfg = f.pick_config(m, n, k, H100)  # the GPU tests' shapes for these pairs
+        assert (cfg.bm, cfg.bn, cfg.mcast) == (64, bn, g.MCAST_SHARE_B)
     assert f.pick_config(128, 3072, 7168, H100).mcast == g.MCAST_NONE
     assert f.pick_config(64, 4096, 7168, H100).mcast == g.MCAST_NONE  # one row of 64
     # split-K in two when it cuts the fill to 2/3 or less: 128 x 2112 x 7168, 64 x 32 tiles (132 tiles, 96 rows
@@ -86,7 +93,7 @@ def test_config_choices():
     # ... nor where one row of tiles of 32+ columns busies 80% of the SMs (M >= 8): 64x4096x7168 64 x 32 x 128
     # tiles (13.0 us against 14.1 split); 128x7168x4096 128 x 64 (14.3 against 17.0); M = 4 still splits
     assert tile_and_splits(f.pick_config(64, 4096, 7168, H100)) == (64, 32, 1)
-    assert tile_and_splits(f.pick_config(128, 7168, 4096, H100)) == (128, 64, 1)
+    assert tile_and_splits(f.pick_config(128, 7168, 4096, H100)) == (64, 128, 1)  # (128 x 64 as paired 64 x 128)
     assert tile_and_splits(f.pick_config(4, 4096, 7168, H100)) == (64, 64, 2)
     # B of 32-64 MB splits where the unsplit tiles are narrower than 48 columns (16x3072x16384: 64 x 32 x 96
     # tiles, 23.6 us -> 64 x 48 x 2, 21.1) or leave half the SMs idle (136x2112x16384: 37.2 -> 22.2), not
@@ -198,7 +205,8 @@ SHAPES = [(1, 16, 16), (3, 24, 48), (17, 136, 208), (64, 256, 128), (65, 264, 10
           (150, 520, 8208), (250, 1000, 4112),  # two rows of tiles split in two by the pick
           (20, 3000, 16400), (140, 2104, 16400),  # B of 32-64 MB split in two (narrow tiles; half the SMs idle)
           (40, 4000, 4112), (100, 7000, 4112),  # one row of tiles that fills the SMs: not split
-          (100, 4000, 3088), (72, 3600, 1040)]  # two rows of 64 x 64 tiles paired along M (the second partial)
+          (100, 4000, 3088), (72, 3600, 1040),  # two rows of 64 x 64 tiles paired along M (the second partial)
+          (80, 7000, 2064), (120, 5000, 1040)]  # ... of 64 x 128 and 64 x 96 (a row of 128 x 64 / 128 x 48 before)
 
 
 @pytest.mark.gpu

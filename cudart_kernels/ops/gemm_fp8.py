@@ -50,8 +50,10 @@ class Fp8Tuning(sm90.Sm90Tuning):
     narrow_rows_max_bn: int = 64
     narrow_rows_gain: float = 0.85
     # Those two rows of 64-row tiles (M 65..128, no split) pair along M, sharing B, where the tiles are at least
-    # narrow_pair_min_bn wide.
+    # narrow_pair_min_bn wide; an unsplit row of 128 x BN tiles becomes such pairs of 64 x 2BN tiles (the same
+    # CTAs, half of A each) up to narrow_pair_max_bn.
     narrow_pair_min_bn: int = 64
+    narrow_pair_max_bn: int = 128
     # Split-K in two where it cuts each CTA's fill to split_gain or less, K >= split_min_k, and B is at most
     # split_max_b_bytes (split_wide_max_b_bytes where the unsplit tiles are split_wide_bn or more columns wide and
     # busy half the SMs); one row of tiles at least unsplit_min_bn wide that busies unsplit_fill of the SMs (and
@@ -176,18 +178,25 @@ def _split_in_two(m: int, n: int, k: int, unsplit: tuple, props: DevicePropertie
 def _small_m(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties, tuning: Fp8Tuning) -> tuple:
     """For one row of BM x BN tiles (M <= 128, memory-bound): (BM, BN, splits). For BM = 128, 64-row tiles when
     they cut the fill per CTA to narrow_rows_gain or less; then a 2-way split-K (`_split_in_two`) unless one row
-    of tiles already busies unsplit_fill of the SMs."""
+    of tiles already busies unsplit_fill of the SMs; else, for M > 64, a row of 128 x BN tiles becomes two rows of
+    64 x 2BN (up to narrow_pair_max_bn), which pick_config pairs."""
     t = tuning
     best = (bm, bn)
     if bm == 128:
         narrow = min(range(16, t.narrow_rows_max_bn + 1, 16), key=lambda b: (_fill(m, n, k, 64, b, 1, props), -b))
         if _fill(m, n, k, 64, narrow, 1, props) <= t.narrow_rows_gain * _fill(m, n, k, 128, bn, 1, props):
             best = (64, narrow)
-    if (t.unsplit_min_m <= m <= best[0] and best[1] >= t.unsplit_min_bn
-            and -(-n // best[1]) >= t.unsplit_fill * props.sm_count):
-        return best + (1,)  # one row of tiles that fills the SMs (two rows of 64: 96x2112x16384 split 1.22x)
-    split = _split_in_two(m, n, k, best, props, t)
-    return split + (2,) if split else best + (1,)
+    fills = (t.unsplit_min_m <= m <= best[0] and best[1] >= t.unsplit_min_bn
+             and -(-n // best[1]) >= t.unsplit_fill * props.sm_count)
+    # (one row of tiles that fills the SMs does not split: two rows of 64 at 96x2112x16384 split ran 1.22x slower)
+    split = None if fills else _split_in_two(m, n, k, best, props, t)
+    if split:
+        return split + (2,)
+    # One row of 128 x BN tiles, M > 64: as many pairs of 64 x 2BN tiles along M (pick_config pairs them), each
+    # CTA with half of A's rows and, multicast, half of B's 2BN (H100: 0.90-0.97x the time at BN 48 and 64).
+    if best[0] == 128 and m > 64 and 2 * best[1] <= t.narrow_pair_max_bn:
+        best = (64, 2 * best[1])
+    return best + (1,)
 
 
 def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = NORMAL, groups: int = 1,
