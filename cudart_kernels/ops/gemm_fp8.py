@@ -193,7 +193,7 @@ def _small_m(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties, 
     if split:
         return split + (2,)
     # One row of 128 x BN tiles, M > 64: as many pairs of 64 x 2BN tiles along M (pick_config pairs them), each
-    # CTA with half of A's rows and, multicast, half of B's 2BN (H100: 0.90-0.97x the time at BN 48 and 64).
+    # CTA with half of A's rows and, multicast, half of B's 2BN (H100: 0.84-0.98x the time at BN 48 and 64).
     if best[0] == 128 and m > 64 and 2 * best[1] <= t.narrow_pair_max_bn:
         best = (64, 2 * best[1])
     return best + (1,)
