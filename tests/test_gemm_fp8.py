@@ -132,6 +132,10 @@ def test_config_choices():
     # 128 x 128 -> 128 x 160 0.969, 2048x2112x2048 128 x 64 -> 128 x 160 0.821)
     assert f.pick_config(2048, 5120, 7168, H100).bn == 160
     assert f.pick_config(2048, 2112, 2048, H100).bn == 160
+    # and, since its main loop runs in unrolled laps, over 256 x 128 at one wave of 128 x 160 against two of
+    # 256 x 128 (H100, 2026-11-28, same run: 1024x7168x16384 0.956, 512x14336x7168 0.965)
+    assert (f.pick_config(1024, 7168, 16384, H100).bm, f.pick_config(1024, 7168, 16384, H100).bn) == (128, 160)
+    assert (f.pick_config(512, 14336, 7168, H100).bm, f.pick_config(512, 14336, 7168, H100).bn) == (128, 160)
     # memory-bound shapes never take 256 columns (one wave of them lost to two of 128 x 128)
     assert f.pick_config(128, 32768, 512, H100).bn == 128
     # masked, 1024 rows in one group: 256 x 128 (4096 x 7168: 4 waves x 53.7 against 6 x 43.3 for 128 x 192)

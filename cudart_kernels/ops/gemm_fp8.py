@@ -43,7 +43,7 @@ class Fp8Tuning(sm90.Sm90Tuning):
     # 128-row tiles scale 128 x 128 per column and k block by bn_cost (bn_cost_wgrad for the weight gradient).
     tile_us: tuple = (((128, 128), (1.12, 0.514)), ((128, 192), (1.23, 0.705)), ((128, 256), (1.93, 1.057)),
                       ((256, 128), (1.04, 0.94)))
-    bn_cost: tuple = ((64, 1.35), (96, 1.27), (160, 0.97))
+    bn_cost: tuple = ((64, 1.35), (96, 1.27), (160, 0.94))
     bn_cost_wgrad: tuple = ((64, 1.35), (96, 1.27), (128, 1.0), (160, 1.06), (192, 0.85), (256, 0.9))
     # One row of 128-row tiles: 64-row tiles of up to narrow_rows_max_bn columns where they stream at most
     # narrow_rows_gain of the fill per CTA.
