@@ -24,11 +24,13 @@ def fake(shape, dtype, strides=None):
 
 @pytest.mark.parametrize("shape", f.BENCH_SHAPES["normal"] + [(1, 16, 16), (17, 136, 200), (300, 8, 4096),
                                                             (192, 1536, 7168), (150, 512, 16384),
-                                                            (1000, 512, 16384)])
+                                                            (1000, 512, 16384), (297, 3072, 4096)])
 def test_config_fits_and_matches_the_kernel_layout(shape):
     m, n, k = shape
     cfg = f.pick_config(m, n, k, H100)
-    assert cfg.bm == 64 if m <= 64 else cfg.bm in ((64, 128) if m <= 128 or cfg.splits > 1 else (128, 256))
+    one_wave_64 = -(-m // 64) * -(-n // 128) <= H100.sm_count  # (64 x 128 tiles may replace a few rows of 128)
+    assert cfg.bm == 64 if m <= 64 else cfg.bm in ((64, 128) if m <= 128 or cfg.splits > 1 or one_wave_64
+                                                    else (128, 256))
     assert cfg.bn % 16 == 0 and 16 <= cfg.bn <= (128 if cfg.bm == 256 else f.MAX_BN)
     assert 3 <= cfg.stages <= f.MAX_STAGES
     assert cfg.smem == f.smem_bytes(cfg.bm, cfg.bn, cfg.stages) <= H100.smem_per_block_optin
@@ -108,7 +110,7 @@ def test_config_choices():
     assert tile_and_splits(f.pick_config(240, 2112, 7168, H100)) == (128, 64, 2)
     assert tile_and_splits(f.pick_config(1000, 512, 16384, H100)) == (64, 128, 2)  # 8 x 8 tiles -> 16 x 4 x 2
     # ... not where the tiles already fill the SMs (2 x 64 tiles: the split lost, 20.0 -> 21.0 us)
-    assert tile_and_splits(f.pick_config(192, 4096, 7168, H100)) == (128, 64, 1)
+    assert tile_and_splits(f.pick_config(192, 4096, 7168, H100))[2] == 1
     # contiguous: pairs along N only. 4 x 8192 rows, N = 4096: 128 x 192 in 43 waves x 40.7 = 1750 us against
     # 128 x 256 in 32 x 61.1 = 1956 and 128 x 128 in 63 x 29.9 = 1884; 256 x 128 in 32 x 53.7 = 1718, from a tile
     # list where it is taller than the alignment, with groups / 2 more rows of tiles (32 + 1 waves at 128)
@@ -128,6 +130,10 @@ def test_config_choices():
     assert contiguous(64, 4, 64)[::3] == (64, False)
     with pytest.raises(ValueError, match="force_tile has 256 rows"):  # a forced tile may not pass twice the alignment
         f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, 64, tuning=f.Fp8Tuning(force_tile=(256, 128)))
+    def pick_tile(m, n, k):
+        c = f.pick_config(m, n, k, H100)
+        return c.bm, c.bn, c.splits, c.mcast
+
     # 160 columns where the waves favour them (H100, 2026-11-27, same run against the previous pick: 2048x5120x7168
     # 128 x 128 -> 128 x 160 0.969, 2048x2112x2048 128 x 64 -> 128 x 160 0.821)
     assert f.pick_config(2048, 5120, 7168, H100).bn == 160
@@ -136,6 +142,17 @@ def test_config_choices():
     # 256 x 128 (H100, 2026-11-28, same run: 1024x7168x16384 0.956, 512x14336x7168 0.965)
     assert (f.pick_config(1024, 7168, 16384, H100).bm, f.pick_config(1024, 7168, 16384, H100).bn) == (128, 160)
     assert (f.pick_config(512, 14336, 7168, H100).bm, f.pick_config(512, 14336, 7168, H100).bn) == (128, 160)
+    # a few rows of 128-row tiles: one wave of 64 x 128 tiles where cheaper (H100, 2026-11-28, same run against the
+    # 128-row pick: 297x3072x4096 128 x 96 -> 64 x 128 0.81x the time, 201x3072x2048 128 x 64 -> 64 x 128 pairs 0.86x,
+    # 681x768x7168 128 x 64 -> 64 x 128 split in two 0.69x) ...
+    assert pick_tile(297, 3072, 4096) == (64, 128, 1, f.MCAST_NONE)
+    assert pick_tile(201, 3072, 2048) == (64, 128, 1, f.MCAST_SHARE_B)
+    assert pick_tile(681, 768, 7168)[::2] == (64, 2)
+    # ... but not where the 128-row pick splits (201x2112x16384 128 x 64 split in two: 64 x 128 ran 1.34x its time),
+    # nor where they take two waves (450x3072x4096)
+    assert pick_tile(201, 2112, 16384)[::2] == (128, 2)
+    assert pick_tile(450, 3072, 4096)[0] == 128
+    assert pick_tile(4096, 7168, 16384)[0] == 256
     # memory-bound shapes never take 256 columns (one wave of them lost to two of 128 x 128)
     assert f.pick_config(128, 32768, 512, H100).bn == 128
     # masked, 1024 rows in one group: 256 x 128 (4096 x 7168: 4 waves x 53.7 against 6 x 43.3 for 128 x 192)
@@ -210,7 +227,8 @@ SHAPES = [(1, 16, 16), (3, 24, 48), (17, 136, 208), (64, 256, 128), (65, 264, 10
           (20, 3000, 16400), (140, 2104, 16400),  # B of 32-64 MB split in two (narrow tiles; half the SMs idle)
           (40, 4000, 4112), (100, 7000, 4112),  # one row of tiles that fills the SMs: not split
           (100, 4000, 3088), (72, 3600, 1040),  # two rows of 64 x 64 tiles paired along M (the second partial)
-          (80, 7000, 2064), (120, 5000, 1040)]  # ... of 64 x 128 and 64 x 96 (a row of 128 x 64 / 128 x 48 before)
+          (80, 7000, 2064), (120, 5000, 1040),  # ... of 64 x 128 and 64 x 96 (a row of 128 x 64 / 128 x 48 before)
+          (297, 3000, 4112), (681, 760, 7200)]  # a few rows of 128: one wave of 64 x 128 tiles (the second split)
 
 
 @pytest.mark.gpu

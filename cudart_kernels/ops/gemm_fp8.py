@@ -42,7 +42,7 @@ class Fp8Tuning(sm90.Sm90Tuning):
     # Time of one tile in a wave, microseconds: ((BM, BN), (fixed, per 128-deep k block)); other widths of
     # 128-row tiles scale 128 x 128 per column and k block by bn_cost (bn_cost_wgrad for the weight gradient).
     tile_us: tuple = (((128, 128), (1.12, 0.514)), ((128, 192), (1.23, 0.705)), ((128, 256), (1.93, 1.057)),
-                      ((256, 128), (1.04, 0.94)))
+                      ((256, 128), (1.04, 0.94)), ((64, 128), (1.0, 0.30)))
     bn_cost: tuple = ((64, 1.35), (96, 1.27), (160, 0.94))
     bn_cost_wgrad: tuple = ((64, 1.35), (96, 1.27), (128, 1.0), (160, 1.06), (192, 0.85), (256, 0.9))
     # One row of 128-row tiles: 64-row tiles of up to narrow_rows_max_bn columns where they stream at most
@@ -209,8 +209,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
 
     BM 64 for M <= 64 (one consumer warpgroup). With several row blocks of 128 (compute-bound), the tile with the
     least waves x estimated tile time (`_tile_us`) among 128 x (64..256) and 256 x 128 (normal GEMM from 512
-    rows, masked from 256 rows a group, contiguous when the segments allow it); otherwise (memory-bound) BM 128 and BN
-    a multiple of 16 up to max_bn_memory_bound (or N rounded up to 16) with the fewest waves, then the fullest
+    rows, masked from 256 rows a group, contiguous when the segments allow it), then, for the normal GEMM where that
+    pick does not split, one wave of 64 x 128 tiles where cheaper; otherwise (memory-bound) BM 128 and BN a multiple
+    of 16 up to max_bn_memory_bound (or N rounded up to 16) with the fewest waves, then the fullest
     last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_small_m`; their two
     rows pair along M, sharing B, from narrow_pair_min_bn columns). Either
     way, a 2-way split-K over 2-CTA clusters where it streams much less per CTA and, for several rows of tiles,
@@ -255,10 +256,19 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         # Tiles that leave half the SMs idle (small N at a few rows of tiles): a 2-way split fills them (H100, 69
         # shapes at M 136..1000, all faster: 192x1536x7168 18.1 -> 12.1 us, 512x256x16384 37.5 -> 17.4; where the
         # tiles already fill the SMs it lost: 192x4096x7168 20.0 -> 21.0).
-        if layout == NORMAL and tiles_m * -(-n // bn) <= props.sm_count // 2:
-            split = _split_in_two(m, n, k, (bm, bn), props, t, idle=True)
-            if split:
-                (bm, bn), splits = split, 2
+        def split_idle(bm, bn):
+            if layout == NORMAL and -(-m_all // bm) * -(-n // bn) <= props.sm_count // 2:
+                return _split_in_two(m, n, k, (bm, bn), props, t, idle=True)
+            return None
+        split = split_idle(bm, bn)
+        # Where that pick does not split: one wave of 64 x 128 tiles (one consumer, two scratch sets) if cheaper:
+        # fewer idle rows than a few rows of 128-row tiles, and no 64-column wgmma. These may split in turn.
+        if (not split and layout == NORMAL and (64, 128) in dict(t.tile_us)
+                and -(-m // 64) * -(-n // 128) <= props.sm_count and cost((64, 128)) < cost((bm, bn))):
+            bm, bn, tiles_m = 64, 128, -(-m // 64)
+            split = split_idle(bm, bn)
+        if split:
+            (bm, bn), splits = split, 2
     else:
         widths = [b for b in range(16, min(top, t.max_bn_memory_bound) + 1, 16)
                   if max_stages(bm, b, budget, layout) >= 3]
