@@ -142,11 +142,12 @@ def test_config_choices():
     # 256 x 128 (H100, 2026-11-28, same run: 1024x7168x16384 0.956, 512x14336x7168 0.965)
     assert (f.pick_config(1024, 7168, 16384, H100).bm, f.pick_config(1024, 7168, 16384, H100).bn) == (128, 160)
     assert (f.pick_config(512, 14336, 7168, H100).bm, f.pick_config(512, 14336, 7168, H100).bn) == (128, 160)
-    # a few rows of 128-row tiles: one wave of 64 x 128 tiles where cheaper (H100, 2026-11-28, same run against the
-    # 128-row pick: 297x3072x4096 128 x 96 -> 64 x 128 0.81x the time, 201x3072x2048 128 x 64 -> 64 x 128 pairs 0.86x,
-    # 681x768x7168 128 x 64 -> 64 x 128 split in two 0.69x) ...
+    # a few rows of 128-row tiles: one wave of 64-row tiles where cheaper (H100, 2026-11-28, same runs: 297x3072x4096
+    # 128 x 96 -> 64 x 128 0.81x the time; against 64 x 128, 192x4096x7168 64 x 96 0.96x and 600x1024x7168 64 x 80
+    # pairs 0.86x; 681x768x7168 128 x 64 -> 64 x 128 split in two 0.69x) ...
     assert pick_tile(297, 3072, 4096) == (64, 128, 1, f.MCAST_NONE)
-    assert pick_tile(201, 3072, 2048) == (64, 128, 1, f.MCAST_SHARE_B)
+    assert pick_tile(192, 4096, 7168) == (64, 96, 1, f.MCAST_NONE)
+    assert pick_tile(600, 1024, 7168) == (64, 80, 1, f.MCAST_SHARE_B)
     assert pick_tile(681, 768, 7168)[::2] == (64, 2)
     # ... but not where the 128-row pick splits (201x2112x16384 128 x 64 split in two: 64 x 128 ran 1.34x its time),
     # nor where they take two waves (450x3072x4096)
@@ -228,7 +229,8 @@ SHAPES = [(1, 16, 16), (3, 24, 48), (17, 136, 208), (64, 256, 128), (65, 264, 10
           (40, 4000, 4112), (100, 7000, 4112),  # one row of tiles that fills the SMs: not split
           (100, 4000, 3088), (72, 3600, 1040),  # two rows of 64 x 64 tiles paired along M (the second partial)
           (80, 7000, 2064), (120, 5000, 1040),  # ... of 64 x 128 and 64 x 96 (a row of 128 x 64 / 128 x 48 before)
-          (297, 3000, 4112), (681, 760, 7200)]  # a few rows of 128: one wave of 64 x 128 tiles (the second split)
+          (297, 3000, 4112), (681, 760, 7200),  # a few rows of 128: one wave of 64 x 128 tiles (the second split)
+          (192, 4000, 3100)]  # ... of 64 x 96 (777x776x2064 above: 64 x 80)
 
 
 @pytest.mark.gpu

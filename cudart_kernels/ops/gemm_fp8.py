@@ -42,7 +42,8 @@ class Fp8Tuning(sm90.Sm90Tuning):
     # Time of one tile in a wave, microseconds: ((BM, BN), (fixed, per 128-deep k block)); other widths of
     # 128-row tiles scale 128 x 128 per column and k block by bn_cost (bn_cost_wgrad for the weight gradient).
     tile_us: tuple = (((128, 128), (1.12, 0.514)), ((128, 192), (1.23, 0.705)), ((128, 256), (1.93, 1.057)),
-                      ((256, 128), (1.04, 0.94)), ((64, 128), (1.0, 0.30)))
+                      ((256, 128), (1.04, 0.94)), ((64, 80), (1.0, 0.265)), ((64, 96), (1.0, 0.275)),
+                      ((64, 128), (1.0, 0.30)))
     bn_cost: tuple = ((64, 1.35), (96, 1.27), (160, 0.94))
     bn_cost_wgrad: tuple = ((64, 1.35), (96, 1.27), (128, 1.0), (160, 1.06), (192, 0.85), (256, 0.9))
     # One row of 128-row tiles: 64-row tiles of up to narrow_rows_max_bn columns where they stream at most
@@ -210,7 +211,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     BM 64 for M <= 64 (one consumer warpgroup). With several row blocks of 128 (compute-bound), the tile with the
     least waves x estimated tile time (`_tile_us`) among 128 x (64..256) and 256 x 128 (normal GEMM from 512
     rows, masked from 256 rows a group, contiguous when the segments allow it), then, for the normal GEMM where that
-    pick does not split, one wave of 64 x 128 tiles where cheaper; otherwise (memory-bound) BM 128 and BN a multiple
+    pick does not split, one wave of 64-row tiles where cheaper; otherwise (memory-bound) BM 128 and BN a multiple
     of 16 up to max_bn_memory_bound (or N rounded up to 16) with the fewest waves, then the fullest
     last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_small_m`; their two
     rows pair along M, sharing B, from narrow_pair_min_bn columns). Either
@@ -261,12 +262,15 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
                 return _split_in_two(m, n, k, (bm, bn), props, t, idle=True)
             return None
         split = split_idle(bm, bn)
-        # Where that pick does not split: one wave of 64 x 128 tiles (one consumer, two scratch sets) if cheaper:
-        # fewer idle rows than a few rows of 128-row tiles, and no 64-column wgmma. These may split in turn.
-        if (not split and layout == NORMAL and (64, 128) in dict(t.tile_us)
-                and -(-m // 64) * -(-n // 128) <= props.sm_count and cost((64, 128)) < cost((bm, bn))):
-            bm, bn, tiles_m = 64, 128, -(-m // 64)
-            split = split_idle(bm, bn)
+        # Where that pick does not split: one wave of 64-row tiles (one consumer, two scratch sets) if cheaper:
+        # fewer idle rows than a few rows of 128-row tiles, more SMs busy, no 64-column wgmma. The widest of them
+        # split in two where they leave half the SMs idle (681x768x16384: 0.85x the time of unsplit 64 x 80).
+        narrow = [c for c, _ in t.tile_us if c[0] == 64 and -(-m // 64) * -(-n // c[1]) <= props.sm_count]
+        if not split and layout == NORMAL and narrow and cost(min(narrow, key=cost)) < cost((bm, bn)):
+            widest = max(narrow, key=lambda c: c[1])
+            split = split_idle(*widest)
+            bm, bn = widest if split else min(narrow, key=cost)
+            tiles_m = -(-m // 64)
         if split:
             (bm, bn), splits = split, 2
     else:
