@@ -267,10 +267,11 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         # fewer idle rows than a few rows of 128-row tiles, more SMs busy, no 64-column wgmma. The widest of them
         # split in two where they leave half the SMs idle (681x768x16384: 0.85x the time of unsplit 64 x 80).
         narrow = [c for c, _ in t.tile_us if c[0] == 64 and -(-m // 64) * -(-n // c[1]) <= props.sm_count]
-        if not split and layout == NORMAL and narrow and cost(min(narrow, key=cost)) < cost((bm, bn)):
+        cheapest = min(narrow, key=cost) if narrow and not split and layout == NORMAL else None
+        if cheapest and cost(cheapest) < cost((bm, bn)):
             widest = max(narrow, key=lambda c: c[1])
             split = split_idle(*widest)
-            bm, bn = widest if split else min(narrow, key=cost)
+            bm, bn = widest if split else cheapest
             tiles_m = -(-m // 64)
         if split:
             (bm, bn), splits = split, 2
