@@ -6,7 +6,9 @@
 // 32 experts on 35k rows, N 4096, K 7168, 128 x 192 tiles: 2.56x the DRAM reads, 1.51x the time.)
 //
 // ids: the group of each of the M rows (-1, or any id past the groups: padding); segments start at multiples of
-// tile_m / 2. list: [0] the entry count; entry e at int2 index 1 + e (tile row, group), in tile-row order.
+// tile_m / 2. list: [0] the entry count; entry e at int2 index 1 + e (2 x tile row + whole, group), in tile-row
+// order, where `whole` says every row of the tile row is the group's (no row checks in the GEMM's epilogue): a
+// segment being its group's rows, then padding, each half is when its first and last rows are.
 #include "common/sm90.cuh"
 
 constexpr int THREADS = 1024;  // one CTA walks the tile rows, THREADS at a time
@@ -36,11 +38,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) contiguous_tile_list(const
   for (int r0 = 0; r0 < rows; r0 += THREADS) {
     const int r = r0 + int(threadIdx.x);
     int first = -1, second = -1;  // the groups of the tile row's two halves, -1 where none or the same
+    bool whole = false;           // (first's entry)
     if (r < rows) {
       const int m0 = r * tile_m, mid = m0 + tile_m / 2;
       const auto group = [&](int row) { const int g = __ldg(ids + row); return g >= 0 && g < groups ? g : -1; };
       first = group(m0);
       second = mid < M ? group(mid) : -1;
+      whole = m0 + tile_m <= M && first >= 0 && second == first && group(mid - 1) == first &&
+              group(m0 + tile_m - 1) == first;
       if (second == first) second = -1;
     }
     const int n = (first >= 0) + (second >= 0);
@@ -50,8 +55,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) contiguous_tile_list(const
     if (warp == 0) warp_sums[lane] = warp_inclusive_sum(warp_sums[lane], lane);
     __syncthreads();
     int e = base + x - n + (warp > 0 ? warp_sums[warp - 1] : 0);
-    if (first >= 0) entries[e++] = make_int2(r, first);
-    if (second >= 0) entries[e] = make_int2(r, second);
+    if (first >= 0) entries[e++] = make_int2(2 * r + whole, first);
+    if (second >= 0) entries[e] = make_int2(2 * r, second);
     base += warp_sums[THREADS / 32 - 1];
     __syncthreads();  // (warp_sums is written again next round)
   }

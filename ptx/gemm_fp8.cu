@@ -410,10 +410,11 @@ struct Mainloop {
 
 // The tile's result to D, one 64-row slice at a time: through shared memory and TMA (the whole slice, or a ring of
 // two chunk buffers), or, where some of the slice's rows must not be written (past a group's end, another group's,
-// padding), by its threads directly. row_groups: LAYOUT_CONTIGUOUS 256-row tiles, this thread's rows' groups.
+// padding), by its threads directly. Rows are checked one by one only in tiles that are not whole (H100: the
+// checks' loads and barrier cost 4-5% of a contiguous GEMM with K = 2048).
 __device__ __forceinline__ void store_tile(float (&acc)[SUBS][ACC], const GemmTile& t, const Scheduler& sched,
-                                           int (&row_groups)[SUBS][2], const CUtensorMap_st* tm_d, u8* d_smem,
-                                           u32& chunk_seq, void* d, i64 ld_d, int N, int c, int tid) {
+                                           const CUtensorMap_st* tm_d, u8* d_smem, u32& chunk_seq, void* d, i64 ld_d,
+                                           int N, int c, int tid) {
   const int warp = tid / 32, lane = tid % 32;
   if (WHOLE_OUT && tid == 0) bulk_wait_read<0>();  // the previous tile's stores are done reading the buffers
 #pragma unroll
@@ -421,23 +422,23 @@ __device__ __forceinline__ void store_tile(float (&acc)[SUBS][ACC], const GemmTi
     const float* a = acc[u];
     const int r0 = c * WG_ROWS + u * 64;  // this 64-row slice's first row within the tile
     if (t.m0 + r0 >= t.rows || t.n0 >= N) continue;  // a slice past the edge (or a cluster's spare tile)
-    if constexpr (LAYOUT != LAYOUT_NORMAL) {
+    bool met = false;  // the warpgroup met on the row check's barrier
+    if (LAYOUT != LAYOUT_NORMAL && !t.whole) {
       const int r = r0 + warp * 16 + lane / 4;  // this thread's rows r and r + 8
-      if constexpr (LAYOUT == LAYOUT_CONTIGUOUS && SUBS == 1) {
-        row_groups[u][0] = sched.row_group(t, r);
-        row_groups[u][1] = sched.row_group(t, r + 8);
-      }
-      const bool ok0 = sched.row_writable(t, r, row_groups[u][0]), ok1 = sched.row_writable(t, r + 8, row_groups[u][1]);
+      const bool contiguous = LAYOUT == LAYOUT_CONTIGUOUS;
+      const bool ok0 = sched.row_writable(t, r, contiguous ? sched.row_group(t, r) : 0),
+                 ok1 = sched.row_writable(t, r + 8, contiguous ? sched.row_group(t, r + 8) : 0);
       if (!named_barrier_all(1 + c, 128, ok0 && ok1)) {
         store_fragment_rows<WGRAD, ACC>(a, d, ld_d, t.d_row + r, ok0, ok1, t.n0, N, lane);
         continue;
       }
+      met = true;
     }
     const auto write = [&](int j, u8* buf) { chunk_to_smem<WGRAD ? KIND_FP32 : KIND_BF16, CH>(a, j, buf, warp, lane); };
     if constexpr (WHOLE_OUT) {
-      // Other layouts met on the row check's barrier above.
-      tma_store_all<CHUNKS, CH, LAYOUT != LAYOUT_NORMAL>(tm_d, d_smem + u * CHUNKS * CHUNK_BYTES, CHUNK_BYTES, t.n0,
-                                                         t.d_row + r0, tid, 1 + c, write);
+      if (!met) named_barrier(1 + c, 128);  // thread 0's wait above, before any thread writes the buffers
+      tma_store_all<CHUNKS, CH, true>(tm_d, d_smem + u * CHUNKS * CHUNK_BYTES, CHUNK_BYTES, t.n0, t.d_row + r0, tid,
+                                      1 + c, write);
     } else {
       tma_store_chunks<CHUNKS, CH, WGRAD>(tm_d, d_smem, CHUNK_BYTES, chunk_seq, t.n0, t.d_row + r0, tid, 1 + c, write);
     }
@@ -503,16 +504,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   for (int unit = sched.first; sched.more(unit); unit = sched.next(unit)) {
     const GemmTile t = sched.tile(unit);
     if (t.skip) continue;
-    // Contiguous 256-row tiles: this thread's rows' groups, loaded now and compared in the epilogue (128-row
-    // tiles load them there: held through the main loop, they made NVRTC 13.5's ptxas spill on 128 x 192).
-    int row_groups[SUBS][2];
-    if constexpr (LAYOUT == LAYOUT_CONTIGUOUS && SUBS == 2) {
-#pragma unroll
-      for (int u = 0; u < SUBS; ++u)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          row_groups[u][h] = sched.row_group(t, c * WG_ROWS + u * 64 + ml.warp * 16 + ml.lane / 4 + 8 * h);
-    }
     ml.sb = ScalesB(t, sb, sb_group, sb_row, sb_col, N);
 #pragma unroll
     for (int u = 0; u < SUBS; ++u)
@@ -529,7 +520,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
                                       store4<KIND_BF16>(d, i64(row0 + r) * ld_d + t.n0 + col, v);
                                   });
 #else
-    store_tile(acc, t, sched, row_groups, &tm_d, d_smem, chunk_seq, d, ld_d, N, c, tid);
+    store_tile(acc, t, sched, &tm_d, d_smem, chunk_seq, d, ld_d, N, c, tid);
 #endif
   }
   epilogue_drain(tid);

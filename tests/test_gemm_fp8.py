@@ -457,13 +457,16 @@ def test_contiguous_tile_list_per_call(rng):
 
 def _tile_list_reference(ids, groups, tile_m):
     """contiguous_tiles.cu's entries: per tile row, the group of its first half, then that of its second half
-    where it differs (ids outside [0, groups) count as padding)."""
+    where it differs (ids outside [0, groups) count as padding), as (2 x tile row + whole, group): whole when
+    every row of the tile row is the group's."""
     def group(row):
         return int(ids[row]) if row < len(ids) and 0 <= ids[row] < groups else -1
     entries = []
     for r in range(-(-len(ids) // tile_m)):
         first, second = group(r * tile_m), group(r * tile_m + tile_m // 2)
-        entries += [(r, x) for x in (first, second if second != first else -1) if x >= 0]
+        whole = first >= 0 and all(group(row) == first for row in range(r * tile_m, (r + 1) * tile_m))
+        entries += [(2 * r + (whole and x == first), x) for x in (first, second if second != first else -1)
+                    if x >= 0]
     return entries
 
 

@@ -4,6 +4,7 @@
 // same units and decode them alike, so they agree on every unit without talking. Another kernel family brings its
 // own decode (attention: (batch, head, block), longest blocks first) on the same walk.
 #pragma once
+#include "common/memory.cuh"
 #include "common/sm90.cuh"
 
 // Cluster i of the grid runs units i, i + clusters, i + 2 clusters, ... below `count`; a unit is one cluster's
@@ -51,6 +52,7 @@ struct GemmTile {
   int split;         // split-K slice (units of `splits` slices)
   int rows;          // rows of the group that may be written: the tile's rows from m0 below `rows`
   bool skip;         // nothing to compute (padding, masked out, empty k range)
+  bool whole;        // every row of the tile may be written (else each row is checked: row_writable)
 };
 
 // GEMM tiles of TILE_M x TILE_N (k blocks of TILE_K) in grouped order: cluster tiles (two tiles along M or N when
@@ -121,9 +123,11 @@ struct GemmScheduler : PersistentUnits {
     t.kb1 = (t.split + 1) * k_blocks / splits;
     t.rows = M;
     t.skip = false;
+    t.whole = true;  // (the normal layout's D ends at M, where TMA clips)
     if constexpr (ORDER == LAYOUT_CONTIGUOUS && LISTED) {  // t.tm was an entry of the list
       const int2 e = __ldg(list + t.tm);
-      t.tm = e.x;
+      t.tm = e.x >> 1;
+      t.whole = e.x & 1;
       t.g = e.y;
       t.m0 = t.a_row = t.d_row = t.tm * TILE_M;
       t.b_row = t.g * N + t.n0;
@@ -131,16 +135,20 @@ struct GemmScheduler : PersistentUnits {
       t.g = __ldg(info + min(t.m0, M - 1));
       t.skip = t.g < 0 || t.g >= groups;  // (-1: padding; an id past the groups alike)
       t.b_row = max(t.g, 0) * N + t.n0;
+      // The tile lies in one segment (its group's rows, then padding): the group's alone when its last row is.
+      t.whole = t.m0 + TILE_M <= M && ldg_here(info + min(t.m0 + TILE_M, M) - 1) == t.g;
     } else if constexpr (ORDER == LAYOUT_MASKED) {
       t.rows = min(__ldg(info + t.g), M);
       // Both CTAs of a pair along M load for each other: skip only when the pair's first tile is masked out.
       t.skip = (PAIRING == 1 ? t.tm & ~1 : t.tm) * TILE_M >= t.rows;
+      t.whole = t.m0 + TILE_M <= t.rows;
       t.a_row = t.d_row = t.g * M + t.m0;
       t.b_row = t.g * N + t.n0;
     } else if constexpr (ORDER == LAYOUT_KGROUPED) {
       t.kb0 = __ldg(info + t.g) / TILE_K;
       t.kb1 = __ldg(info + t.g + 1) / TILE_K;
       t.skip = t.kb1 <= t.kb0;
+      t.whole = t.m0 + TILE_M <= M;  // (D's next rows are the next group's)
       t.d_row = t.g * M + t.m0;
     }
     if constexpr (CLUSTER_SPLITS > 1) {  // this CTA's slice of K
