@@ -2,14 +2,6 @@
 #pragma once
 #include "common/types.cuh"
 
-// A read-only load issued where it stands: the compiler may not sink it to its use (past a main loop, into an
-// epilogue that would then wait for it).
-__device__ __forceinline__ int ldg_here(const int* p) {
-  int v;
-  asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
 // Streaming 16-byte load: read once, keep out of L1.
 __device__ __forceinline__ u32x4 ld_stream_16(const void* p) {
   u32x4 v;

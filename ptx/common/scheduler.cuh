@@ -4,7 +4,6 @@
 // same units and decode them alike, so they agree on every unit without talking. Another kernel family brings its
 // own decode (attention: (batch, head, block), longest blocks first) on the same walk.
 #pragma once
-#include "common/memory.cuh"
 #include "common/sm90.cuh"
 
 // Cluster i of the grid runs units i, i + clusters, i + 2 clusters, ... below `count`; a unit is one cluster's
@@ -136,7 +135,7 @@ struct GemmScheduler : PersistentUnits {
       t.skip = t.g < 0 || t.g >= groups;  // (-1: padding; an id past the groups alike)
       t.b_row = max(t.g, 0) * N + t.n0;
       // The tile lies in one segment (its group's rows, then padding): the group's alone when its last row is.
-      t.whole = t.m0 + TILE_M <= M && ldg_here(info + min(t.m0 + TILE_M, M) - 1) == t.g;
+      t.whole = t.m0 + TILE_M <= M && __ldg(info + t.m0 + TILE_M - 1) == t.g;
     } else if constexpr (ORDER == LAYOUT_MASKED) {
       t.rows = min(__ldg(info + t.g), M);
       // Both CTAs of a pair along M load for each other: skip only when the pair's first tile is masked out.
