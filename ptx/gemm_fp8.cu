@@ -436,9 +436,8 @@ __device__ __forceinline__ void store_tile(float (&acc)[SUBS][ACC], const GemmTi
     }
     const auto write = [&](int j, u8* buf) { chunk_to_smem<WGRAD ? KIND_FP32 : KIND_BF16, CH>(a, j, buf, warp, lane); };
     if constexpr (WHOLE_OUT) {
-      if (!met) named_barrier(1 + c, 128);  // thread 0's wait above, before any thread writes the buffers
-      tma_store_all<CHUNKS, CH, true>(tm_d, d_smem + u * CHUNKS * CHUNK_BYTES, CHUNK_BYTES, t.n0, t.d_row + r0, tid,
-                                      1 + c, write);
+      tma_store_all<CHUNKS, CH>(tm_d, d_smem + u * CHUNKS * CHUNK_BYTES, CHUNK_BYTES, t.n0, t.d_row + r0, tid, 1 + c,
+                                met, write);
     } else {
       tma_store_chunks<CHUNKS, CH, WGRAD>(tm_d, d_smem, CHUNK_BYTES, chunk_seq, t.n0, t.d_row + r0, tid, 1 + c, write);
     }

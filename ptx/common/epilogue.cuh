@@ -130,12 +130,12 @@ __device__ __forceinline__ void tma_store_chunks(const CUtensorMap_st* map, u8* 
 
 // As tma_store_chunks with a buffer for every chunk (`bufs`: CHUNKS x chunk_bytes): the warpgroup writes all
 // chunks, then thread 0 issues all stores. Two named barriers and one proxy fence per call instead of per chunk.
-// The caller's thread 0 must have waited (bulk_wait_read<0>) for the stores that last read `bufs` before the call,
-// and SYNCED callers have had the warpgroup meet on a barrier since then.
-template <int CHUNKS, int CH, bool SYNCED = false, typename Write>
+// The caller's thread 0 must have waited (bulk_wait_read<0>) for the stores that last read `bufs` before the call;
+// `synced`: the warpgroup has met on a barrier since then (else the call meets first).
+template <int CHUNKS, int CH, typename Write>
 __device__ __forceinline__ void tma_store_all(const CUtensorMap_st* map, u8* bufs, int chunk_bytes, int col0,
-                                              int row0, int tid, int bar, Write write) {
-  if constexpr (!SYNCED) named_barrier(bar, 128);
+                                              int row0, int tid, int bar, bool synced, Write write) {
+  if (!synced) named_barrier(bar, 128);
 #pragma unroll
   for (int j = 0; j < CHUNKS; ++j) write(j, bufs + j * chunk_bytes);
   fence_proxy_async_smem();
