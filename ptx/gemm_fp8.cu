@@ -425,9 +425,7 @@ __device__ __forceinline__ void store_tile(float (&acc)[SUBS][ACC], const GemmTi
     bool met = false;  // the warpgroup met on the row check's barrier
     if (LAYOUT != LAYOUT_NORMAL && !t.whole) {
       const int r = r0 + warp * 16 + lane / 4;  // this thread's rows r and r + 8
-      const bool contiguous = LAYOUT == LAYOUT_CONTIGUOUS;
-      const bool ok0 = sched.row_writable(t, r, contiguous ? sched.row_group(t, r) : 0),
-                 ok1 = sched.row_writable(t, r + 8, contiguous ? sched.row_group(t, r + 8) : 0);
+      const bool ok0 = sched.row_writable(t, r), ok1 = sched.row_writable(t, r + 8);
       if (!named_barrier_all(1 + c, 128, ok0 && ok1)) {
         store_fragment_rows<WGRAD, ACC>(a, d, ld_d, t.d_row + r, ok0, ok1, t.n0, N, lane);
         continue;

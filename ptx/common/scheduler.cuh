@@ -164,9 +164,9 @@ struct GemmScheduler : PersistentUnits {
     return row < t.rows ? __ldg(info + row) : -1;
   }
 
-  // Row r of the tile may be written (`group`: row_group's value for the contiguous layout, unused otherwise).
-  __device__ __forceinline__ bool row_writable(const GemmTile& t, int r, int group) const {
-    if constexpr (ORDER == LAYOUT_CONTIGUOUS) return group == t.g;  // a tile that is not skipped has t.g >= 0
+  // Row r of the tile may be written.
+  __device__ __forceinline__ bool row_writable(const GemmTile& t, int r) const {
+    if constexpr (ORDER == LAYOUT_CONTIGUOUS) return row_group(t, r) == t.g;  // a tile not skipped has t.g >= 0
     return t.m0 + r < t.rows;
   }
 
