@@ -33,11 +33,13 @@
 // STREAM_B = 1 loads B with an evict-first L2 policy (`l2_evict_first`; the host sets it where all of a B tile's
 // readers run in one wave).
 //
+// L2_WARM = 1 (launched with PDL): before pdl_wait, a producer warp prefetches B's first k block into L2.
+//
 // BM = 192 (three consumers, BN <= 192) fits M in 129..192 (and 2 x 192 rows) without padding it to 256 rows: a
 // 128-row tile there computes a second, mostly empty, row block.
 //
 // Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64, 128 or 192), BN (8..256, step 8), STAGES, EPI,
-// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST, STREAM_B.
+// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST, STREAM_B, L2_WARM.
 #include "common/epilogue.cuh"
 #include "common/pipeline.cuh"
 #include "common/scheduler.cuh"
@@ -60,6 +62,9 @@
 #endif
 #ifndef B_KN
 #define B_KN 0
+#endif
+#ifndef L2_WARM
+#define L2_WARM 0
 #endif
 #ifndef MCAST
 #define MCAST 0
@@ -183,7 +188,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
   const GemmScheduler<BM, BN, BK, MCAST> sched(M, N, K, splits, 1, group_m, nullptr, rank, CLUSTER);
   const int wg = warpgroup_index();
   const int tid = threadIdx.x % 128;
-  kernel_prologue<MCAST != 0>(ring, CLUSTER * CONSUMERS * 4, &tm_a, &tm_b, &tm_a_edge, &tm_b_edge, &tm_out);
+  // L2_WARM (launched with PDL): B's first k block of this CTA's first tile into L2 before pdl_wait, as in
+  // gemm_fp8.cu.
+  const auto warm = [&] {
+    if constexpr (L2_WARM) {
+      if (threadIdx.x != 32 || !sched.more(sched.first)) return;
+      const GemmTile t = sched.tile(sched.first);
+      if (t.kb0 >= t.kb1) return;
+      if constexpr (B_KN) {
+#pragma unroll
+        for (int p = 0; p < B_PANELS; ++p)
+          if (t.n0 + p * 64 < N) tma_prefetch_2d(&tm_b, t.n0 + p * 64, t.kb0 * BK);
+      } else {
+        tma_prefetch_rows<MCAST == 1>(&tm_b, &tm_b_edge, t.kb0 * BK, t.n0, BN, N, rank);
+      }
+    }
+  };
+  kernel_prologue<MCAST != 0>(ring, CLUSTER * CONSUMERS * 4, warm, &tm_a, &tm_b, &tm_a_edge, &tm_b_edge, &tm_out);
 
   if (wg == 0) {  // ---- producer: one thread issues the loads ----
     regs_decrease<PRODUCER_REGS>();

@@ -121,6 +121,8 @@ def test_gemm_sass_uses_tensor_cores(variant):
     assert ("UTMAREDG" if variant[2]["EPI"] != "EPI_STORE" else "UTMASTG") in text  # TMA reduce-add or store
     # B with an evict-first L2 policy: a cache-policy operand on its loads
     assert bool(re.search(r"UTMALDG\.2D[^;]*desc\[", text)) == bool(variant[2].get("STREAM_B"))
+    # L2_WARM: B's first k block prefetched into L2 (one box, or one per 64-column panel of B as [K, N])
+    assert bool(re.search(r"UTMAPF\.L2\.2D", text)) == bool(variant[2].get("L2_WARM"))
 
 
 @pytest.mark.parametrize("variant", DECODE, ids=[str(v[2]) for v in DECODE])
@@ -156,6 +158,7 @@ def test_fp8_gemm_sass_uses_fp8_tensor_cores(variant):
     assert not re.search(r"\b(LDL|STL)\b", text), "local memory in SASS"
     assert "UTMALDG" in text
     assert bool(re.search(r"UTMALDG\.2D[^;]*desc\[", text)) == bool(variant[2].get("STREAM_B"))
+    assert bool(re.search(r"UTMAPF\.L2\.2D", text)) == bool(variant[2].get("L2_WARM"))  # B's first k block to L2
     if bn <= 128 and variant[2]["BM"] <= 128 and variant[2].get("LAYOUT") != "LAYOUT_KGROUPED":
         # two scratch sets: a k block's wgmma group is waited for while the next one is in flight
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in text

@@ -331,6 +331,17 @@ def test_fp8_evict_first_b():
     assert f._defines(f.pick_config(128, 7168, 2048, H100))["STREAM_B"] == 1
 
 
+def test_warm_l2_normal_layout_with_pdl_only():
+    """B's first k block goes to L2 before pdl_wait only where the tiles need nothing the previous kernel wrote
+    (normal layout) and the kernel is launched with PDL."""
+    assert "L2_WARM" in f._defines(f.pick_config(4096, 7168, 16384, H100))
+    assert "L2_WARM" in f._defines(f.pick_config(64, 2112, 7168, H100))
+    for layout in (f.CONTIGUOUS, f.MASKED, f.KGROUPED):
+        assert "L2_WARM" not in f._defines(f.pick_config(4096, 4096, 7168, H100, layout, 4))
+    assert "L2_WARM" not in f._defines(f.pick_config(4096, 7168, 16384, H100, tuning=f.Fp8Tuning(pdl=False)))
+    assert "L2_WARM" not in f._defines(f.pick_config(4096, 7168, 16384, H100, tuning=f.Fp8Tuning(warm_l2=False)))
+
+
 def test_grouped_validation_before_launch():
     m, n, k, groups = 256, 264, 512, 3
     a, sa = fake((m, k), "e4m3"), fake((m, 4), "fp32", (1, m))

@@ -119,6 +119,7 @@ class GemmConfig:
     mcast: int = MCAST_NONE  # 2-CTA cluster pairing tiles along M (sharing B) or along N (sharing A)
     group_m: int = 1         # cluster-tile rows per group of the tile order
     stream_b: bool = False   # B loaded with an evict-first L2 policy (sm90.streams_b)
+    warm_l2: bool = False    # B's first k block into L2 before pdl_wait (L2_WARM)
 
     @property
     def threads(self) -> int:
@@ -297,7 +298,8 @@ def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     stages = max_stages(bm, bn, epi, props.smem_per_block_optin, b_kn)
     mcast = sm90.pick_multicast(m, n, bm, bn, splits, b_kn, props, tuning)
     return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn), mcast,
-                      sm90.group_rows(m, n, bm, bn, mcast, props), sm90.streams_b(m, k, 2, tuning) and not b_kn)
+                      sm90.group_rows(m, n, bm, bn, mcast, props), sm90.streams_b(m, k, 2, tuning) and not b_kn,
+                      tuning.pdl and tuning.warm_l2)
 
 
 def _defines(in_dtype, out_dtype, cfg: GemmConfig, epi: str = "EPI_STORE", c_dtype=None,
@@ -314,6 +316,8 @@ def _defines(in_dtype, out_dtype, cfg: GemmConfig, epi: str = "EPI_STORE", c_dty
         d["MCAST"] = cfg.mcast
     if cfg.stream_b:
         d["STREAM_B"] = 1
+    if cfg.warm_l2:
+        d["L2_WARM"] = 1
     return d
 
 

@@ -87,6 +87,7 @@ class Fp8Config:
     splits: int = 1                # split-K: a cluster of `splits` CTAs per tile, one K slice each
     stream_b: bool = False         # B loaded with an evict-first L2 policy (sm90.streams_b)
     tile_list: bool = False        # contiguous tiles twice the segments' alignment: from a list (TILE_LIST)
+    warm_l2: bool = False          # B's first k block into L2 before pdl_wait (L2_WARM; normal layout, PDL)
 
     @property
     def consumers(self) -> int:
@@ -299,8 +300,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     group_m = 1 if t.force_splits else sm90.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     stream_b = layout == NORMAL and sm90.streams_b(m, k, 1, t)
     tile_list = layout == CONTIGUOUS and bm > alignment
+    warm_l2 = layout == NORMAL and t.pdl and t.warm_l2
     return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits, stream_b,
-                     tile_list)
+                     tile_list, warm_l2)
 
 
 def _defines(cfg: Fp8Config) -> dict:
@@ -315,6 +317,8 @@ def _defines(cfg: Fp8Config) -> dict:
         d["STREAM_B"] = 1
     if cfg.tile_list:
         d["TILE_LIST"] = 1
+    if cfg.warm_l2:
+        d["L2_WARM"] = 1
     return d
 
 

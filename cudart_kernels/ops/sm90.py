@@ -20,6 +20,7 @@ class Sm90Tuning:
     object is part of every plan key, so a call with another one gets its own plans."""
     multicast: bool = True   # let the heuristic pair CTAs in 2-CTA clusters
     pdl: bool = True         # programmatic dependent launch: set-up overlaps the previous kernel's tail
+    warm_l2: bool = True     # with pdl: B's first load prefetched into L2 before the wait for the previous kernel
     # B loaded with an evict-first L2 policy where M <= stream_b_max_m (each B tile read by one CTA, or by CTAs
     # running at once) and a row of B has stream_b_min_row_bytes or more
     stream_b_max_m: int = 128

@@ -112,15 +112,17 @@ struct StageRing {
   }
 };
 
-// The set-up of a warp-specialised kernel: thread 0 prefetches the tensor maps (null ones are skipped), the ring's
-// barriers are initialised, then the kernel waits for the previous one in the stream (programmatic dependent
-// launch: this overlapped its tail; from here on global memory it wrote, or still read, may be touched).
-template <bool CLUSTERED, class Ring, typename... Maps>
-__device__ __forceinline__ void kernel_prologue(const Ring& ring, u32 empty_arrivals, const Maps*... maps) {
+// The set-up of a warp-specialised kernel: thread 0 prefetches the tensor maps (null ones are skipped) and runs
+// `warm` (L2 prefetches of the first loads, or nothing), the ring's barriers are initialised, then the kernel waits
+// for the previous one in the stream (programmatic dependent launch: this overlapped its tail; from here on global
+// memory it wrote, or still read, may be touched).
+template <bool CLUSTERED, class Ring, class Warm, typename... Maps>
+__device__ __forceinline__ void kernel_prologue(const Ring& ring, u32 empty_arrivals, Warm warm, const Maps*... maps) {
   if (threadIdx.x == 0) {
     ((maps ? tma_prefetch_map(maps) : void()), ...);
   }
   ring.template init<CLUSTERED>(empty_arrivals);
+  warm();
   pdl_wait();
 }
 
@@ -136,16 +138,35 @@ __device__ __forceinline__ int rows_in_bounds(int row0, int rows, int row_end) {
   return min(rows, max(0, row_end - row0));
 }
 
+// The box of tma_load_rows: its map (`map`, or `edge` where it crosses row_end) and first row; null where it lies
+// wholly past row_end.
+template <bool SHARED>
+__device__ __forceinline__ const CUtensorMap_st* row_box(const CUtensorMap_st* map, const CUtensorMap_st* edge,
+                                                         int row0, int rows, int row_end, u32 rank, int& first) {
+  const int box = SHARED ? rows / 2 : rows;
+  first = row0 + (SHARED ? int(rank) * box : 0);
+  if (first >= row_end) return nullptr;
+  return first + box <= row_end ? map : edge;
+}
+
 template <bool SHARED, bool EVICT_FIRST = false>
 __device__ __forceinline__ void tma_load_rows(u8* dst, const CUtensorMap_st* map, const CUtensorMap_st* edge,
                                               u64* bar, int k0, int row0, int rows, int row_end, u32 rank) {
-  const int box = SHARED ? rows / 2 : rows;
-  const int first = row0 + (SHARED ? int(rank) * box : 0);
-  if (first >= row_end) return;
-  const CUtensorMap_st* m = first + box <= row_end ? map : edge;
+  int first;
+  const CUtensorMap_st* m = row_box<SHARED>(map, edge, row0, rows, row_end, rank, first);
+  if (!m) return;
   if constexpr (SHARED) {
     tma_load_2d_multicast<EVICT_FIRST>(dst + (first - row0) * 128, m, bar, k0, first, 3);
   } else {
     tma_load_2d<EVICT_FIRST>(dst, m, bar, k0, first);
   }
+}
+
+// The same box into L2 only (tma_prefetch_2d).
+template <bool SHARED>
+__device__ __forceinline__ void tma_prefetch_rows(const CUtensorMap_st* map, const CUtensorMap_st* edge, int k0,
+                                                  int row0, int rows, int row_end, u32 rank) {
+  int first;
+  const CUtensorMap_st* m = row_box<SHARED>(map, edge, row0, rows, row_end, rank, first);
+  if (m) tma_prefetch_2d(m, k0, first);
 }

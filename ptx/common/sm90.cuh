@@ -67,6 +67,13 @@ __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap_st* map) {
   asm volatile("prefetch.tensormap [%0];" :: "l"(map) : "memory");
 }
 
+// A box of `map` into L2 only (no shared memory, no barrier): warms L2 for a load of the same box. L2 is the GPU's
+// point of coherence, so this may run before pdl_wait: a line the previous kernel writes later is updated there.
+__device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap_st* map, int c0, int c1) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" :: "l"(map), "r"(c0), "r"(c1)
+               : "memory");
+}
+
 // An L2 policy under which the lines a copy brings in are the first to be evicted: for an operand whose lines
 // are each read once, or only by CTAs running at the same time, so that its stream does not push out lines that
 // are read again (the other operand, split-K partials).
