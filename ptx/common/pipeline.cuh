@@ -112,10 +112,10 @@ struct StageRing {
   }
 };
 
-// The set-up of a warp-specialised kernel: thread 0 prefetches the tensor maps (null ones are skipped) and runs
-// `warm` (L2 prefetches of the first loads, or nothing), the ring's barriers are initialised, then the kernel waits
-// for the previous one in the stream (programmatic dependent launch: this overlapped its tail; from here on global
-// memory it wrote, or still read, may be touched).
+// The set-up of a warp-specialised kernel: thread 0 prefetches the tensor maps (null ones are skipped), the ring's
+// barriers are initialised, every thread calls `warm` (the kernel's L2 prefetches of its first loads, from a thread
+// it picks, or nothing), then the kernel waits for the previous one in the stream (programmatic dependent launch:
+// this overlapped its tail; from here on global memory it wrote, or still read, may be touched).
 template <bool CLUSTERED, class Ring, class Warm, typename... Maps>
 __device__ __forceinline__ void kernel_prologue(const Ring& ring, u32 empty_arrivals, Warm warm, const Maps*... maps) {
   if (threadIdx.x == 0) {
