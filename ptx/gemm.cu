@@ -192,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
   // gemm_fp8.cu.
   const auto warm = [&] {
     if constexpr (L2_WARM) {
-      if (threadIdx.x != 32 || !sched.more(sched.first)) return;
+      if (!sched.more(sched.first)) return;
       const GemmTile t = sched.tile(sched.first);
       if (t.kb0 >= t.kb1) return;
       if constexpr (B_KN) {

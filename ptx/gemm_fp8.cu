@@ -467,12 +467,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   const int wg = warpgroup_index();
   const int tid = threadIdx.x % 128;
   // L2_WARM: B's first k block of this CTA's first tile (its share) into L2 while the previous kernel ends, so
-  // that the first load does not wait on DRAM (the normal layout's tiles follow from the arguments alone), issued by
-  // a warp the loads do not wait on. One box: a loop over more k blocks changed ptxas's main loop (H100: 8% slower
-  // at M = 4096), and A's first box as well gained nothing.
+  // that the first load does not wait on DRAM (the normal layout's tiles follow from the arguments alone). One box:
+  // a loop over more k blocks changed ptxas's main loop (H100: 8% slower at M = 4096), and A's first box as well
+  // gained nothing.
   const auto warm = [&] {
     if constexpr (L2_WARM && LAYOUT == LAYOUT_NORMAL) {
-      if (threadIdx.x != 32) return;
       const Scheduler s(M, N, K, 1, groups, group_m, info, rank, CLUSTER, tile_list);
       if (!s.more(s.first)) return;
       const GemmTile t = s.tile(s.first);

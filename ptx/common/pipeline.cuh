@@ -113,16 +113,17 @@ struct StageRing {
 };
 
 // The set-up of a warp-specialised kernel: thread 0 prefetches the tensor maps (null ones are skipped), the ring's
-// barriers are initialised, every thread calls `warm` (the kernel's L2 prefetches of its first loads, from a thread
-// it picks, or nothing), then the kernel waits for the previous one in the stream (programmatic dependent launch:
-// this overlapped its tail; from here on global memory it wrote, or still read, may be touched).
+// barriers are initialised, lane 0 of warp 1 (a producer warp that issues no loads, so the loads never wait on it)
+// runs `warm` (the kernel's L2 prefetches of its first loads, or nothing), then the kernel waits for the previous
+// one in the stream (programmatic dependent launch: this overlapped its tail; from here on global memory it wrote,
+// or still read, may be touched).
 template <bool CLUSTERED, class Ring, class Warm, typename... Maps>
 __device__ __forceinline__ void kernel_prologue(const Ring& ring, u32 empty_arrivals, Warm warm, const Maps*... maps) {
   if (threadIdx.x == 0) {
     ((maps ? tma_prefetch_map(maps) : void()), ...);
   }
   ring.template init<CLUSTERED>(empty_arrivals);
-  warm();
+  if (threadIdx.x == 32) warm();
   pdl_wait();
 }
 
