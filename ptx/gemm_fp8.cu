@@ -35,7 +35,12 @@
 // paid (H100: 1-3% slower).
 //
 // One row block of at most 128 columns per consumer (BM 64 or 128, not the weight gradient): two scratch sets, k
-// block kb + 1 issued before kb is promoted (TwoScratch).
+// block kb + 1 issued before kb is promoted (TwoScratch). Of 144..192 columns: the two sets hold the two column
+// halves of a k block, each half's group issued as soon as its set is promoted (run_two_sets). Each consumer waits
+// for its own wgmma, then promotes; with one set, the 96 FFMAs of a 128 x 192 tile's promotion plus the next issue
+// outlasted the other consumer's group, and the main loop ran at 1.10x the tensor time (clock64 trace, H100).
+// Halves in flight: 4096x2112x7168 0.962x the time, 2048x7168x18432 0.949x, 8 shapes 0.975x (results bitwise the
+// same: each element sees the same FFMAs in the same order).
 //
 // BN > 192 (up to 256, BM 64 or 128): a scratch set of BN columns next to the result would not fit the registers,
 // so each k block runs as two halves of BN / 2 columns through one scratch set of BN / 2, with A's fragments loaded
@@ -85,7 +90,11 @@ constexpr int CONSUMERS = BM == 64 ? 1 : 2;
 constexpr int WG_ROWS = BM / CONSUMERS;  // rows of the tile per consumer warpgroup: 64, or 128 when BM = 256
 constexpr int SUBS = WG_ROWS / 64;       // m64 wgmma row blocks per consumer
 constexpr bool A_IN_REGS = BN > 192;
-constexpr int HALVES = A_IN_REGS ? 2 : 1;  // column halves per k block (A from registers)
+// One row block of 144..192 columns per consumer (BM 64 or 128, not the weight gradient): each k block runs as two
+// column halves, each its own wgmma group into its own half-width scratch set, so that one half is always in the
+// tensor pipe while the other is promoted (Mainloop::run_two_sets).
+constexpr bool PIPE_HALVES = BM <= 128 && BN > 128 && !A_IN_REGS && LAYOUT != LAYOUT_KGROUPED;
+constexpr int HALVES = A_IN_REGS || PIPE_HALVES ? 2 : 1;  // column halves per k block
 constexpr int PART_N = BN / HALVES;        // columns of one wgmma (the scratch accumulator)
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int A_STAGE = BM * BK;
@@ -224,6 +233,8 @@ struct Mainloop {
   u32 empty_bar;  // stage 0's empty barrier this lane frees (Ring::release_bar)
   u32 sa_row;     // stage 0's sA of this thread's first row (shared address; + 32: its row + 8, + 256: next m64)
   float part[2][PART_N / 2];  // scratch accumulators (two sets, or part[0] alone)
+  float next_sa[2], next_sb[3];  // PIPE_HALVES: the scales of the k block whose first half was issued last
+  float half_sc[3][2];           // and sA x sB of the k block being promoted
 
   __device__ __forceinline__ Mainloop(const Ring& ring_, const u8* smem_, int c_, int tid, u32 rank_)
       : ring(ring_),
@@ -243,58 +254,82 @@ struct Mainloop {
   // unconditionally: with a conditional issue ptxas could not tell which group a wait retires and serialized all
   // wgmma.
 
-  // Wait for stage `is` and issue its k block into part[J].
-  template <int J>
-  __device__ __forceinline__ void issue(Pipe is) {
-    ring.wait(is);
+  // The two sets hold consecutive k blocks or (H, PIPE_HALVES) the two column halves of one k block: an item is a
+  // k block or a half. Items alternate between the sets; `is` steps to the next stage after a k block's last item.
+
+  // Issue item J into part[J] (waiting for stage `is` at a k block's first item).
+  template <bool H, int J>
+  __device__ __forceinline__ void issue(Pipe& is) {
+    if constexpr (H && J == 0) sb.next(next_sb[0], next_sb[1], next_sb[2]);
+    if constexpr (!H || J == 0) ring.wait(is);
     wgmma_fence();
-    qgmma_k_block<false>(part[J], {}, da0 + u64(is.stage * (A_STAGE >> 4)), db0 + u64(is.stage * (B_STAGE >> 4)));
+    qgmma_k_block<false>(part[J], {}, da0 + u64(is.stage * (A_STAGE >> 4)),
+                         db0 + u64(is.stage * (B_STAGE >> 4) + (H ? J * (PART_N * 128 >> 4) : 0)));
     wgmma_commit();
+    if constexpr (H && J == 0) {  // the k block's sA, for both halves' promotions
+      const u32 sa = sa_row + is.stage * SA_STAGE;
+      next_sa[0] = ld_shared_f32(sa);
+      next_sa[1] = ld_shared_f32(sa + 32);
+    }
+    if constexpr (!H || J == 1) is.advance();
   }
 
-  // Promote part[J] (stage st, whose wgmma group has completed) and hand the stage back.
-  template <int G, int J>
-  __device__ __forceinline__ void promote_stage(float* acc) {
+  // Promote part[J] (stage st, whose wgmma group has completed) and hand the stage back after its last item.
+  template <int G, bool H, int J>
+  __device__ __forceinline__ void promote(float* acc) {
     fence_registers(part[J]);
-    float scale_b0, scale_b1, scale_b2;
-    sb.next(scale_b0, scale_b1, scale_b2);
-    const u32 sa = sa_row + st.stage * SA_STAGE;
-    const float sa0 = ld_shared_f32(sa), sa1 = ld_shared_f32(sa + 32);
-    const float sc[3][2] = {{sa0 * scale_b0, sa1 * scale_b0}, {sa0 * scale_b1, sa1 * scale_b1},
-                            {sa0 * scale_b2, sa1 * scale_b2}};
-    __syncwarp();  // every lane's sA is in registers (used above) before the stage goes back
-    ring.release_at(empty_bar + st.stage * 8, lane);  // (predicated: measured 3% slower here, 64x32768x512)
-    promote_part<G, PART_N>(acc, part[J], sc, 0);
-    st.advance();
+    if constexpr (H) {
+      if constexpr (J == 0) {
+#pragma unroll
+        for (int b = 0; b < 3; ++b) {
+          half_sc[b][0] = next_sa[0] * next_sb[b];
+          half_sc[b][1] = next_sa[1] * next_sb[b];
+        }
+      } else {
+        __syncwarp();
+        ring.release_at(empty_bar + st.stage * 8, lane);  // both halves' reads of the stage are done
+        st.advance();
+      }
+      promote_part<G, PART_N>(acc + J * (PART_N / 2), part[J], half_sc, J * (PART_N / 8));
+    } else {
+      float scale_b0, scale_b1, scale_b2;
+      sb.next(scale_b0, scale_b1, scale_b2);
+      const u32 sa = sa_row + st.stage * SA_STAGE;
+      const float sa0 = ld_shared_f32(sa), sa1 = ld_shared_f32(sa + 32);
+      const float sc[3][2] = {{sa0 * scale_b0, sa1 * scale_b0}, {sa0 * scale_b1, sa1 * scale_b1},
+                              {sa0 * scale_b2, sa1 * scale_b2}};
+      __syncwarp();  // every lane's sA is in registers (used above) before the stage goes back
+      ring.release_at(empty_bar + st.stage * 8, lane);  // (predicated: measured 3% slower here, 64x32768x512)
+      promote_part<G, PART_N>(acc, part[J], sc, 0);
+      st.advance();
+    }
   }
 
-  // All n k blocks of one tile.
-  template <int G>
+  // All n items of one tile (n k blocks, or 2 x the k blocks for H). With an unconditional tail (n is even for H)
+  // ptxas serialized every wgmma.
+  template <int G, bool H>
   __device__ __forceinline__ void run_two_sets(float* acc, int n) {
     if (n <= 0) return;
-    Pipe is = st;  // stage of the next k block to issue
-    issue<0>(is);
-    is.advance();
+    Pipe is = st;  // stage of the next item to issue
+    issue<H, 0>(is);
     int i = 0;
     for (; i + 2 < n; i += 2) {
-      issue<1>(is);
-      is.advance();
+      issue<H, 1>(is);
       wgmma_wait<1>();
-      promote_stage<G, 0>(acc);
-      issue<0>(is);
-      is.advance();
+      promote<G, H, 0>(acc);
+      issue<H, 0>(is);
       wgmma_wait<1>();
-      promote_stage<G, 1>(acc);
+      promote<G, H, 1>(acc);
     }
     if (i + 2 == n) {
-      issue<1>(is);
+      issue<H, 1>(is);
       wgmma_wait<1>();
-      promote_stage<G, 0>(acc);
+      promote<G, H, 0>(acc);
       wgmma_wait<0>();
-      promote_stage<G, 1>(acc);
+      promote<G, H, 1>(acc);
     } else {
       wgmma_wait<0>();
-      promote_stage<G, 0>(acc);
+      promote<G, H, 0>(acc);
     }
   }
 
@@ -318,8 +353,10 @@ struct Mainloop {
 
   template <int G>
   __device__ __forceinline__ void run_tile_at(float (&acc)[SUBS][ACC], int kb0, int kb1) {
-    if constexpr (SCRATCH2) {
-      run_two_sets<G>(acc[0], kb1 - kb0);
+    if constexpr (PIPE_HALVES) {
+      run_two_sets<G, true>(acc[0], 2 * (kb1 - kb0));
+    } else if constexpr (SCRATCH2) {
+      run_two_sets<G, false>(acc[0], kb1 - kb0);
     } else {
       run_one_set<G>(acc, kb0, kb1);
     }

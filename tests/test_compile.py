@@ -152,15 +152,18 @@ def test_fp8_gemm_sass_uses_fp8_tensor_cores(variant):
 
     text = sass(compile_kernel(variant[0], variant[1], variant[2], "sm_90a").cubin)
     bn = variant[2]["BN"]
-    wgmma_n = bn // 2 if bn > 192 else bn  # wider tiles run as two halves with A from registers
+    wgrad = variant[2].get("LAYOUT") == "LAYOUT_KGROUPED"
+    # wider tiles run as two halves (A from registers), and so do 144..192 columns of up to 128 rows (halves in flight)
+    halves = bn > 192 or (bn > 128 and variant[2]["BM"] <= 128 and not wgrad)
+    wgmma_n = bn // 2 if halves else bn
     assert re.search(rf"QGMMA\.64x{wgmma_n}x32\.F32\.E4M3\.E4M3 R\d+, (R\d+|gdesc)", text), \
         "no QGMMA of the configured shape"
     assert not re.search(r"\b(LDL|STL)\b", text), "local memory in SASS"
     assert "UTMALDG" in text
     assert bool(re.search(r"UTMALDG\.2D[^;]*desc\[", text)) == bool(variant[2].get("STREAM_B"))
     assert bool(re.search(r"UTMAPF\.L2\.2D", text)) == bool(variant[2].get("L2_WARM"))  # B's first k block to L2
-    if bn <= 128 and variant[2]["BM"] <= 128 and variant[2].get("LAYOUT") != "LAYOUT_KGROUPED":
-        # two scratch sets: a k block's wgmma group is waited for while the next one is in flight
+    if bn <= 192 and variant[2]["BM"] <= 128 and not wgrad:
+        # two scratch sets: a k block's (or half's) wgmma group is waited for while the next one is in flight
         assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in text
     if variant[2].get("KSPLIT", 1) > 1:  # split-K: partials summed from the cluster's shared memory, direct stores
         assert "STG.E.64" in text and "UTMASTG" not in text
