@@ -144,7 +144,8 @@ static_assert(SB_BLOCKS <= 3, "a tile spans at most three scale blocks of B");
 // The main loop runs whole laps of the ring with the stage a constant (Mainloop::run_one_set) where the loop has at
 // most four copies (one per scale split G: BN a multiple of 32, or within one scale block). H100, 128 x 160: 3.5-5.7%
 // faster than one k block at a time (117 -> 349 KB of cubin). BN with finer splits would take up to eight copies of
-// an unrolled lap (64 x 176: 142 KB of code), and their 144-wide tiles (memory-bound picks) gained nothing.
+// an unrolled lap (64 x 176: 142 KB of code), and their 144-wide tiles (memory-bound picks) gained nothing. (Since
+// the column halves in flight, run_one_set serves only 256-row tiles and tiles over 192 columns.)
 constexpr bool LAP_UNROLL = SB_BLOCKS == 1 || BN_GCD_128 >= 32;
 
 // Promotion of one column part (PART columns, PART / 8 groups of 8, the first being tile group `grp0`) with B's

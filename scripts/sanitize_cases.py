@@ -110,6 +110,9 @@ assert {(p.cfg.bm, p.cfg.mcast) for p in plans_under("gemm_fp8", t)} == {(64, g.
 # Tiles of more than 192 columns (two column halves, A from registers), 128 and 64 rows.
 for bm in (128, 64):
     check8(replace(f.TUNING, force_tile=(bm, 256), force_mcast=g.MCAST_NONE), bm)
+# Tiles of 144..192 columns (a k block's two column halves in flight): 128 rows paired along M, 64 rows alone.
+for bm, bn, mode in ((128, 192, g.MCAST_SHARE_B), (64, 176, g.MCAST_NONE)):
+    check8(replace(f.TUNING, force_tile=(bm, bn), force_mcast=mode), (bm, bn))
 # 256-row tiles (two row blocks per consumer), alone and in pairs sharing A.
 for mode in (g.MCAST_NONE, g.MCAST_SHARE_A):
     t = replace(f.TUNING, force_tile=(256, 128), force_mcast=mode)
