@@ -90,9 +90,7 @@ constexpr int CONSUMERS = BM == 64 ? 1 : 2;
 constexpr int WG_ROWS = BM / CONSUMERS;  // rows of the tile per consumer warpgroup: 64, or 128 when BM = 256
 constexpr int SUBS = WG_ROWS / 64;       // m64 wgmma row blocks per consumer
 constexpr bool A_IN_REGS = BN > 192;
-// One row block of 144..192 columns per consumer (BM 64 or 128, not the weight gradient): each k block runs as two
-// column halves, each its own wgmma group into its own half-width scratch set, so that one half is always in the
-// tensor pipe while the other is promoted (Mainloop::run_two_sets).
+// A k block's two column halves in flight through the two scratch sets (above; Mainloop::run_two_sets).
 constexpr bool PIPE_HALVES = BM <= 128 && BN > 128 && !A_IN_REGS && LAYOUT != LAYOUT_KGROUPED;
 constexpr int HALVES = A_IN_REGS || PIPE_HALVES ? 2 : 1;  // column halves per k block
 constexpr int PART_N = BN / HALVES;        // columns of one wgmma (the scratch accumulator)
