@@ -90,7 +90,8 @@ constexpr int CONSUMERS = BM == 64 ? 1 : 2;
 constexpr int WG_ROWS = BM / CONSUMERS;  // rows of the tile per consumer warpgroup: 64, or 128 when BM = 256
 constexpr int SUBS = WG_ROWS / 64;       // m64 wgmma row blocks per consumer
 constexpr bool A_IN_REGS = BN > 192;
-// A k block's two column halves in flight through the two scratch sets (above; Mainloop::run_two_sets).
+// A k block's two column halves in flight through the two scratch sets (above; Mainloop::run_two_sets). Not for the
+// weight gradient: its per-column promotion ran 1.09x slower that way (H100; docs/tuning.md).
 constexpr bool PIPE_HALVES = BM <= 128 && BN > 128 && !A_IN_REGS && LAYOUT != LAYOUT_KGROUPED;
 constexpr int HALVES = A_IN_REGS || PIPE_HALVES ? 2 : 1;  // column halves per k block
 constexpr int PART_N = BN / HALVES;        // columns of one wgmma (the scratch accumulator)
