@@ -256,7 +256,7 @@ __device__ __forceinline__ void turn_wait(int c) {
 
 __device__ __forceinline__ void turn_pass(int c) {
   if (PINGPONG && CONSUMERS > 1)
-    asm volatile("bar.arrive %0, %1;" :: "r"(BAR_TURN + (c + 1) % CONSUMERS), "r"(256) : "memory");
+    named_barrier_arrive(BAR_TURN + (c + 1) % CONSUMERS, 256);
 }
 
 // tm_q / tm_k / tm_v: (head dim, rows, heads, batch) maps with boxes {64, BM / BN, 1, 1}, 128-byte swizzle; tm_o:

@@ -275,7 +275,7 @@ __device__ __forceinline__ void issue_dq(float (&acc)[ACC_Q], const u8* ds, cons
 __device__ __forceinline__ void turn_wait(int c) { named_barrier(BAR_TURN + c, CONSUMER_THREADS); }
 
 __device__ __forceinline__ void turn_pass(int c) {
-  asm volatile("bar.arrive %0, %1;" :: "r"(BAR_TURN + (c + 1) % CONSUMERS), "r"(CONSUMER_THREADS) : "memory");
+  named_barrier_arrive(BAR_TURN + (c + 1) % CONSUMERS, CONSUMER_THREADS);
 }
 
 // P^T = 2^(S^T scale log2 e - LSE) for this thread's elements of a tile (queries q0.., keys key0..), zero where
@@ -524,7 +524,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
               }
             }
             __syncwarp();
-            asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_EMPTY + c), "r"(128 + 32) : "memory");
+            named_barrier_arrive(BAR_DQ_EMPTY + c, 128 + 32);
           }
         }
       }
@@ -623,7 +623,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) attention_bwd_kernel(
       for (int g = 0; g < ACC_Q / 4; ++g)
         st_shared_f32x4(block + (g * 128 + tid) * 16, acc[4 * g], acc[4 * g + 1], acc[4 * g + 2], acc[4 * g + 3]);
       fence_proxy_async_smem();
-      asm volatile("bar.arrive %0, %1;" :: "r"(BAR_DQ_FULL + c), "r"(128 + 32) : "memory");
+      named_barrier_arrive(BAR_DQ_FULL + c, 128 + 32);
       dq_handed = true;
     };
     bool first = true;

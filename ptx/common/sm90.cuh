@@ -435,6 +435,11 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
 }
 
+// Arrive on named barrier `id` without waiting: the others of its `threads` wait on it (named_barrier).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
+}
+
 // named_barrier that also returns whether `pred` holds in every participating thread (warp-uniform: a branch on
 // it leaves the enclosing loop's state in uniform registers).
 __device__ __forceinline__ bool named_barrier_all(int id, int threads, bool pred) {
