@@ -30,8 +30,8 @@ def test_config_fits_and_matches_the_kernel_layout(shape):
     cfg = f.pick_config(m, n, k, H100)
     one_wave_64 = -(-m // 64) * -(-n // 128) <= H100.sm_count  # (64 x 128 tiles may replace a few rows of 128)
     assert cfg.bm == 64 if m <= 64 else cfg.bm in ((64, 128) if m <= 128 or cfg.splits > 1 or one_wave_64
-                                                    else (128, 256))
-    assert cfg.bn % 16 == 0 and 16 <= cfg.bn <= (128 if cfg.bm == 256 else f.MAX_BN)
+                                                    else (128, 192, 256))
+    assert cfg.bn % 16 == 0 and 16 <= cfg.bn <= (128 if cfg.bm in (192, 256) else f.MAX_BN)
     assert 3 <= cfg.stages <= f.MAX_STAGES
     assert cfg.smem == f.smem_bytes(cfg.bm, cfg.bn, cfg.stages) <= H100.smem_per_block_optin
     # As many stages as fit, capped at one tile's k blocks (never below MIN_STAGES).
@@ -58,12 +58,19 @@ def test_config_choices():
     # Short K: the fixed cost per tile counts. N = 32768, K = 512: 256 x 128 in 32 waves x 4.80 = 154 us against
     # 128 x 192 in 42 waves x 4.05 = 170 (measured 152 vs 158).
     assert f.pick_config(4096, 32768, 512, H100).bm == 256
-    # N = 2112: 128 x 192 is 32 x 11 = 352 tiles, 3 waves x 40.7; 256 x 128 is 16 x 17 = 272 tiles, 3 waves x 53.7
-    assert (f.pick_config(4096, 2112, 7168, H100).bm, f.pick_config(4096, 2112, 7168, H100).bn) == (128, 192)
-    # 128 x 192 against 128 x 128 and 256 x 128 where waves round differently (H100, 2026-11-27, same run: 2048 x
-    # 7168 x 7168 178.5 us against 185.4 for 128 x 128; 6144 x 5120 x 7168 0.92x the 256 x 128 time)
-    assert f.pick_config(2048, 7168, 7168, H100).bn == 192
-    assert (f.pick_config(6144, 5120, 7168, H100).bm, f.pick_config(6144, 5120, 7168, H100).bn) == (128, 192)
+    # 192 x 128 (three consumers): 22 x 56 = 1232 tiles, 10 waves x (1.0 + 128 x 0.68) = 880 here, so 256 x 128
+    # stays. N = 2112: 192 x 128 is 22 x 17 = 374 tiles, 3 waves x 39.1; 128 x 192 is 32 x 11 = 352 tiles, 3 waves
+    # x 40.7; 256 x 128 is 16 x 17 = 272 tiles, 3 waves x 53.7.
+    assert f._tile_us(192, 128, 128, f.NORMAL, f.TUNING) == pytest.approx(88.04)
+    assert (f.pick_config(4096, 2112, 7168, H100).bm, f.pick_config(4096, 2112, 7168, H100).bn) == (192, 128)
+    # 192 x 128 where it takes no more waves than 128 x 192 (the same rows x columns; H200, 2026-11-28, same run
+    # with DeepGEMM, 18 shapes: 0.955x the time of the earlier picks, bitwise equal, 576x5120x8192 0.75x); 128 x
+    # 192 against 128 x 128 and 256 x 128 where waves round differently (H100, 2026-11-27: 2048 x 7168 x 7168
+    # 178.5 us against 185.4 for 128 x 128; 6144 x 5120 x 7168 0.92x the 256 x 128 time)
+    assert (f.pick_config(2048, 7168, 7168, H100).bm, f.pick_config(2048, 7168, 7168, H100).bn) == (192, 128)
+    assert (f.pick_config(6144, 5120, 7168, H100).bm, f.pick_config(6144, 5120, 7168, H100).bn) == (192, 128)
+    # 3072 x 2112: 128 x 192 in 24 x 11 = 264 tiles, 2 waves x 40.7; 192 x 128 in 16 x 17 = 272, 3 waves x 39.1
+    assert (f.pick_config(3072, 2112, 7168, H100).bm, f.pick_config(3072, 2112, 7168, H100).bn) == (128, 192)
     # one row of tiles: memory-bound, fewest waves (128 x 64 here, and 128 x 128 at N = 16384), no pairs along N;
     # at most 64 wide and M > 64 it runs as two rows of 64 x 2BN tiles paired along M (H100, 2026-11-27: 93 shapes
     # M 72..128, N 4608..8192, 0.841-0.981x the time; wider pairs lost, 1.048x over 96 shapes)
@@ -289,6 +296,30 @@ def test_gemm_fp8_cluster_pairs(rng, mode, shape):
                 tuning=t)
     _check(out, ref)
     assert mode in {p.cfg.mcast for p in plans_under(t)}  # the forced pairing really ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_B, g.MCAST_SHARE_A])
+@pytest.mark.parametrize("shape", [(200, 392, 1040), (577, 1000, 400), (1000, 264, 2064), (384, 256, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gemm_fp8_192_row_tiles(rng, mode, shape):
+    """Three consumer warpgroups (192-row tiles) with tails in M, N and K, unpaired and in either pairing."""
+    m, n, k = shape
+    t = forced(mode, (192, 128))
+    a, sa, b, sb, ref = _operands(rng, m, n, k)
+    sa_dev, keep = _mmajor(sa)
+    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
+    ck.gemm_fp8(DeviceArray.from_numpy(a), sa_dev, DeviceArray.from_numpy(b), DeviceArray.from_numpy(sb), out,
+                tuning=t)
+    _check(out, ref)
+    cfgs = {(p.cfg.bm, p.cfg.mcast) for p in plans_under(t)}
+    assert (192, mode) in cfgs  # the forced tile and pairing really ran
+
+
+def test_192_row_tiles_only_for_the_normal_layout():
+    for layout, groups in ((f.CONTIGUOUS, 4), (f.MASKED, 2), (f.KGROUPED, 2)):
+        with pytest.raises(ValueError, match="192-row tiles"):
+            f.pick_config(1024, 4096, 7168, H100, layout, groups, tuning=forced(None, (192, 128)))
 
 
 def test_picks_follow_the_device_not_its_bandwidth():

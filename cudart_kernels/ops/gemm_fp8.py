@@ -43,7 +43,8 @@ class Fp8Tuning(sm90.Sm90Tuning):
     # 128-row tiles scale 128 x 128 per column and k block by bn_cost (bn_cost_wgrad for the weight gradient).
     # The 64-row entries are the widths of the one-wave 64-row tiles that may replace a few rows of 128.
     tile_us: tuple = (((128, 128), (1.12, 0.514)), ((128, 192), (1.23, 0.705)), ((128, 256), (1.93, 1.057)),
-                      ((256, 128), (1.04, 0.94)), ((64, 80), (1.0, 0.265)), ((64, 96), (1.0, 0.275)),
+                      ((256, 128), (1.04, 0.94)), ((192, 128), (1.0, 0.68)), ((64, 80), (1.0, 0.265)),
+                      ((64, 96), (1.0, 0.275)),
                       ((64, 128), (1.0, 0.30)))
     bn_cost: tuple = ((64, 1.35), (96, 1.27), (160, 0.94))
     bn_cost_wgrad: tuple = ((64, 1.35), (96, 1.27), (128, 1.0), (160, 1.06), (192, 0.85), (256, 0.9))
@@ -104,7 +105,7 @@ class Fp8Config:
 
 def _consumers(bm: int) -> int:
     """Consumer warpgroups of a BM-row tile (ptx/gemm_fp8.cu CONSUMERS)."""
-    return 1 if bm == 64 else 2
+    return 1 if bm == 64 else 3 if bm == 192 else 2
 
 
 def _out_bytes(layout: str) -> int:
@@ -211,8 +212,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     (segment sizes that are random multiples of the alignment). At alignment 64 that is always 128-row tiles.
 
     BM 64 for M <= 64 (one consumer warpgroup). With several row blocks of 128 (compute-bound), the tile with the
-    least waves x estimated tile time (`_tile_us`) among 128 x (64..256) and 256 x 128 (normal GEMM from 512
-    rows, masked from 256 rows a group, contiguous when the segments allow it), then, for the normal GEMM where that
+    least waves x estimated tile time (`_tile_us`) among 128 x (64..256), 256 x 128 (normal GEMM from 512
+    rows, masked from 256 rows a group, contiguous when the segments allow it) and 192 x 128 (three consumer
+    warpgroups; normal GEMM from 512 rows, where tile_us has it), then, for the normal GEMM where that
     pick does not split, one wave of 64-row tiles where cheaper; otherwise (memory-bound) BM 128 and BN a multiple
     of 16 up to max_bn_memory_bound (or N rounded up to 16) with the fewest waves, then the fullest
     last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_small_m`; their two
@@ -240,6 +242,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         bm, bn = t.force_tile
         if layout == CONTIGUOUS and bm > 2 * alignment:  # (a tile may hold two segments' rows, not three)
             raise ValueError(f"force_tile has {bm} rows; this call allows at most twice the alignment ({alignment})")
+        if bm == 192 and layout != NORMAL:
+            raise ValueError("force_tile: 192-row tiles are for the normal layout only")
         splits = t.force_splits or 1
         tiles_m = -(-(groups * -(-m // bm) * bm if per_group else m) // bm)
     elif bm == 128 and tiles_m >= 2 and n > 128:
@@ -249,6 +253,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         tall = {NORMAL: m >= 512, MASKED: m >= 256, CONTIGUOUS: True, KGROUPED: False}[layout]
         if tall and tallest >= 256:
             cands.append((256, 128))
+        if tall and layout == NORMAL and (192, 128) in dict(t.tile_us):  # (it would straddle contiguous segments;
+            cands.append((192, 128))                                        # masked: not measured)
 
         def cost(c):
             tbm, tbn = c
