@@ -118,6 +118,11 @@ for mode in (g.MCAST_NONE, g.MCAST_SHARE_A):
     t = replace(f.TUNING, force_tile=(256, 128), force_mcast=mode)
     check8(t, mode)
     assert {(p.cfg.bm, p.cfg.mcast) for p in plans_under("gemm_fp8", t)} == {(256, mode)}
+# 192-row tiles (three consumers), alone and in pairs sharing B or A (96-row halves).
+for mode in (g.MCAST_NONE, g.MCAST_SHARE_B, g.MCAST_SHARE_A):
+    t = replace(f.TUNING, force_tile=(192, 128), force_mcast=mode)
+    check8(t, (192, mode))
+    assert {(p.cfg.bm, p.cfg.mcast) for p in plans_under("gemm_fp8", t)} == {(192, mode)}
 # Split-K through the cluster's shared memory (2 and 3 K slices; 5 k blocks do not divide by either), B loaded
 # with the evict-first L2 policy.
 for bm, bn, splits in ((64, 32, 2), (128, 64, 3)):
