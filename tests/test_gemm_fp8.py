@@ -320,6 +320,9 @@ def test_192_row_tiles_only_for_the_normal_layout():
     for layout, groups in ((f.CONTIGUOUS, 4), (f.MASKED, 2), (f.KGROUPED, 2)):
         with pytest.raises(ValueError, match="192-row tiles"):
             f.pick_config(1024, 4096, 7168, H100, layout, groups, tuning=forced(None, (192, 128)))
+    for tile in ((192, 256), (256, 160), (96, 128), (128, 72)):  # (tiles the kernel does not build)
+        with pytest.raises(ValueError, match="force_tile"):
+            f.pick_config(1024, 4096, 7168, H100, tuning=forced(None, tile))
 
 
 def test_picks_follow_the_device_not_its_bandwidth():

@@ -242,6 +242,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         bm, bn = t.force_tile
         if layout == CONTIGUOUS and bm > 2 * alignment:  # (a tile may hold two segments' rows, not three)
             raise ValueError(f"force_tile has {bm} rows; this call allows at most twice the alignment ({alignment})")
+        if bm not in (64, 128, 192, 256) or bn % 16 or not 16 <= bn <= (128 if bm >= 192 else MAX_BN):
+            raise ValueError(f"force_tile {(bm, bn)}: BM is 64, 128, 192 or 256 and BN a multiple of 16 up to "
+                             f"{MAX_BN} (128 for 192 and 256 rows)")
         if bm == 192 and layout != NORMAL:
             raise ValueError("force_tile: 192-row tiles are for the normal layout only")
         splits = t.force_splits or 1
