@@ -3,7 +3,7 @@
 // fp32 scale per 128x128 block of B (sB[g * sb_group + nb * sb_row + kb * sb_col], any strides).
 //
 // The structure is gemm.cu's: persistent grid, warpgroup 0 a TMA producer filling a STAGES-deep ring (A, B and
-// this k block's sA column), one or two consumer warpgroups each owning 64 (or 128) rows of the BM x BN tile,
+// this k block's sA column), one to three consumer warpgroups each owning 64 (or 128) rows of the BM x BN tile,
 // grouped tile order, optional 2-CTA clusters with TMA multicast (MCAST 1: pairs along M share B; 2: pairs along
 // N share A), stmatrix + TMA store epilogue. Per 128-deep k block (one scale block) a consumer runs four wgmma
 // m64nBNk32 into a scratch accumulator, waits for them, frees the stage and adds the scratch into its fp32 result
@@ -130,7 +130,8 @@ constexpr bool SCRATCH2 = SUBS == 1 && HALVES == 1 && !WGRAD && BN <= 128 && CON
 constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : CONSUMERS == 2 ? 232 : 152;
 static_assert(BM == 64 || BM == 128 || BM == 192 || BM == 256, "BM must be 64, 128, 192 or 256");
-static_assert(BM != 192 || (BN <= 128 && !WGRAD), "three consumers: m64nBN result and scratch in 152 registers");
+static_assert(BM != 192 || (BN <= 128 && LAYOUT == LAYOUT_NORMAL),
+              "three consumers: m64nBN result and scratch in 152 registers; normal layout (no tile straddles groups)");
 static_assert(BM != 256 || BN <= 128, "two result sets of m64nBN and one scratch set must fit 232 registers");
 static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "BN must be a multiple of 16 in 16..256");
 static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0) || (MCAST == 2 && BM % 64 == 0 && BM >= 128),
@@ -150,7 +151,7 @@ static_assert(SB_BLOCKS <= 3, "a tile spans at most three scale blocks of B");
 // most four copies (one per scale split G: BN a multiple of 32, or within one scale block). H100, 128 x 160: 3.5-5.7%
 // faster than one k block at a time (117 -> 349 KB of cubin). BN with finer splits would take up to eight copies of
 // an unrolled lap (64 x 176: 142 KB of code), and their 144-wide tiles (memory-bound picks) gained nothing. (Since
-// the column halves in flight, run_one_set serves only 256-row tiles and tiles over 192 columns.)
+// the column halves in flight, run_one_set serves only 192- and 256-row tiles and tiles over 192 columns.)
 constexpr bool LAP_UNROLL = SB_BLOCKS == 1 || BN_GCD_128 >= 32;
 
 // Promotion of one column part (PART columns, PART / 8 groups of 8, the first being tile group `grp0`) with B's

@@ -300,10 +300,11 @@ def test_gemm_fp8_cluster_pairs(rng, mode, shape):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_B, g.MCAST_SHARE_A])
-@pytest.mark.parametrize("shape", [(200, 392, 1040), (577, 1000, 400), (1000, 264, 2064), (384, 256, 128)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(200, 392, 1040), (577, 1000, 400), (1000, 264, 2064), (384, 256, 128),
+                                   (2000, 3000, 656)], ids=lambda s: "x".join(map(str, s)))
 def test_gemm_fp8_192_row_tiles(rng, mode, shape):
-    """Three consumer warpgroups (192-row tiles) with tails in M, N and K, unpaired and in either pairing."""
+    """Three consumer warpgroups (192-row tiles) with tails in M, N and K, unpaired and in either pairing; 2000 x
+    3000: 264 tiles, so CTAs run a second tile (the ring's phase, laps from a later stage, output buffers reused)."""
     m, n, k = shape
     t = forced(mode, (192, 128))
     a, sa, b, sb, ref = _operands(rng, m, n, k)
@@ -323,6 +324,9 @@ def test_192_row_tiles_only_for_the_normal_layout():
     for tile in ((192, 256), (256, 160), (96, 128), (128, 72)):  # (tiles the kernel does not build)
         with pytest.raises(ValueError, match="force_tile"):
             f.pick_config(1024, 4096, 7168, H100, tuning=forced(None, tile))
+    for tile, splits in (((192, 128), 2), ((256, 128), 2), ((128, 64), 16)):
+        with pytest.raises(ValueError, match="force_splits"):
+            f.pick_config(1024, 4096, 7168, H100, tuning=forced(None, tile, splits))
 
 
 def test_picks_follow_the_device_not_its_bandwidth():

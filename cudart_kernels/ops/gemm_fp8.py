@@ -248,6 +248,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         if bm == 192 and layout != NORMAL:
             raise ValueError("force_tile: 192-row tiles are for the normal layout only")
         splits = t.force_splits or 1
+        if splits > 1 and (bm > 128 or splits > 8 or layout != NORMAL):
+            raise ValueError(f"force_splits {splits}: split-K takes tiles of at most 128 rows, 2..8 slices, "
+                             "the normal layout")
         tiles_m = -(-(groups * -(-m // bm) * bm if per_group else m) // bm)
     elif bm == 128 and tiles_m >= 2 and n > 128:
         widths = dict(t.bn_cost_wgrad) if layout == KGROUPED else {*dict(t.bn_cost), *(b for (a, b), _ in t.tile_us
