@@ -281,6 +281,16 @@ def plans_under(tuning):
     return [p for k, p in PLANS.items("gemm_fp8") if any(x is tuning for x in k)]
 
 
+def _check_forced(rng, m, n, k, tuning):
+    """A random m x n x k FP8 GEMM under `tuning` into a poisoned output, against the float64 reference."""
+    a, sa, b, sb, ref = _operands(rng, m, n, k)
+    sa_dev, keep = _mmajor(sa)
+    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
+    ck.gemm_fp8(DeviceArray.from_numpy(a), sa_dev, DeviceArray.from_numpy(b), DeviceArray.from_numpy(sb), out,
+                tuning=tuning)
+    _check(out, ref)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [g.MCAST_SHARE_B, g.MCAST_SHARE_A])
 @pytest.mark.parametrize("shape", [(300, 520, 1040), (129, 264, 208), (385, 1000, 144), (1024, 2112, 512)],
@@ -289,12 +299,7 @@ def test_gemm_fp8_cluster_pairs(rng, mode, shape):
     m, n, k = shape
     # (sharing A takes 128-row tiles, which the pick leaves for one wave of 64-row ones at 300x520x1040)
     t = forced(mode, (128, 64) if mode == g.MCAST_SHARE_A and f.pick_config(m, n, k, H100).bm == 64 else None)
-    a, sa, b, sb, ref = _operands(rng, m, n, k)
-    sa_dev, keep = _mmajor(sa)
-    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
-    ck.gemm_fp8(DeviceArray.from_numpy(a), sa_dev, DeviceArray.from_numpy(b), DeviceArray.from_numpy(sb), out,
-                tuning=t)
-    _check(out, ref)
+    _check_forced(rng, m, n, k, t)
     assert mode in {p.cfg.mcast for p in plans_under(t)}  # the forced pairing really ran
 
 
@@ -307,12 +312,7 @@ def test_gemm_fp8_192_row_tiles(rng, mode, shape):
     3000: 264 tiles, so CTAs run a second tile (the ring's phase, laps from a later stage, output buffers reused)."""
     m, n, k = shape
     t = forced(mode, (192, 128))
-    a, sa, b, sb, ref = _operands(rng, m, n, k)
-    sa_dev, keep = _mmajor(sa)
-    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
-    ck.gemm_fp8(DeviceArray.from_numpy(a), sa_dev, DeviceArray.from_numpy(b), DeviceArray.from_numpy(sb), out,
-                tuning=t)
-    _check(out, ref)
+    _check_forced(rng, m, n, k, t)
     cfgs = {(p.cfg.bm, p.cfg.mcast) for p in plans_under(t)}
     assert (192, mode) in cfgs  # the forced tile and pairing really ran
 
