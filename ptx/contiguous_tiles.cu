@@ -1,4 +1,4 @@
-// The work list of a contiguous-layout FP8 GEMM whose tiles are twice as tall as the segments' alignment
+// The work list of a contiguous-layout FP8 GEMM whose tiles are not a divisor of the segments' alignment
 // (gemm_fp8.cu, TILE_LIST): an entry (tile row, group) for each group with rows in a tile row. A tile row holding
 // the end of one expert's segment and the start of the next gets two entries, one per expert; a tile row of
 // padding only gets none. Each of the GEMM's units is then one tile of work. (Run inside one unit, the second
@@ -6,9 +6,12 @@
 // 32 experts on 35k rows, N 4096, K 7168, 128 x 192 tiles: 2.56x the DRAM reads, 1.51x the time.)
 //
 // ids: the group of each of the M rows (-1, or any id past the groups: padding); segments start at multiples of
-// tile_m / 2. list: [0] the entry count; entry e at int2 index 1 + e (2 x tile row + whole, group), in tile-row
-// order, where `whole` says every row of the tile row is the group's (no row checks in the GEMM's epilogue): a
-// segment being its group's rows, then padding, each half is when its first and last rows are.
+// `align`, and tile_m <= align + gcd(align, tile_m), so a segment can start at most once inside a tile row (its
+// `cut`, the first multiple of align past the row's first row): 128 rows at alignment 64, 192 at 128 or 256, 256
+// at 128. list: [0] the entry count; entry e at int2 index 1 + e (2 x tile row + whole, group), in tile-row order,
+// where `whole` says every row of the tile row is the group's (no row checks in the GEMM's epilogue): a segment
+// being its group's rows, then padding, each piece of the tile row (before and after the cut) is when its first
+// and last rows are.
 #include "common/sm90.cuh"
 
 constexpr int THREADS = 1024;  // one CTA walks the tile rows, THREADS at a time
@@ -25,7 +28,7 @@ __device__ __forceinline__ int warp_inclusive_sum(int x, int lane) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) contiguous_tile_list(const int* ids, int M, int groups,
-                                                                           int tile_m, int* list) {
+                                                                           int tile_m, int align, int* list) {
   __shared__ int warp_sums[THREADS / 32];
   // Launched with PDL like the GEMMs: this grid starts under the previous kernel's tail, and the GEMM's prologue
   // under this one (the GEMM reads the list only once this grid is done).
@@ -37,15 +40,15 @@ extern "C" __global__ void __launch_bounds__(THREADS) contiguous_tile_list(const
   int base = 0;  // entries of the tile rows before this round's
   for (int r0 = 0; r0 < rows; r0 += THREADS) {
     const int r = r0 + int(threadIdx.x);
-    int first = -1, second = -1;  // the groups of the tile row's two halves, -1 where none or the same
+    int first = -1, second = -1;  // the groups before and after the cut, -1 where none or the same
     bool whole = false;           // (first's entry)
     if (r < rows) {
-      const int m0 = r * tile_m, mid = m0 + tile_m / 2;
+      const int m0 = r * tile_m, end = min(m0 + tile_m, M), cut = (m0 / align + 1) * align;
       const auto group = [&](int row) { const int g = __ldg(ids + row); return g >= 0 && g < groups ? g : -1; };
       first = group(m0);
-      second = mid < M ? group(mid) : -1;
-      whole = m0 + tile_m <= M && first >= 0 && second == first && group(mid - 1) == first &&
-              group(m0 + tile_m - 1) == first;
+      second = cut < end ? group(cut) : -1;
+      whole = m0 + tile_m <= M && first >= 0 && group(end - 1) == first &&
+              (cut >= end || (second == first && group(cut - 1) == first));
       if (second == first) second = -1;
     }
     const int n = (first >= 0) + (second >= 0);

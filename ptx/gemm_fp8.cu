@@ -17,9 +17,10 @@
 // - LAYOUT_CONTIGUOUS (MoE prefill): A's M rows are the experts' rows back to back, info[m] the group of row m
 //   (-1: padding); B is [G, N, K] seen as [G * N, K]. Each group's segment starts at a multiple of BM, so a tile
 //   holds one group's rows (and padding), or is padding only and skipped. TILE_LIST = 1: segments start at
-//   multiples of BM / 2, so a tile may hold the rows of two groups, one per half; the tiles come from a list of
-//   (tile row, group) entries (contiguous_tiles.cu, `tile_list`), a tile row of two groups as two entries, each
-//   run against its group's B. Rows of another group or padding are not written.
+//   multiples of an alignment that BM is not a multiple of (128 rows at 64, 192 at 128 or 256, 256 at 128), so a
+//   tile may hold the rows of two groups; the tiles come from a list of (tile row, group) entries
+//   (contiguous_tiles.cu, `tile_list`), a tile row of two groups as two entries, each run against its group's B.
+//   Rows of another group or padding are not written.
 // - LAYOUT_MASKED (MoE decode): A is [G, M, K] seen as [G * M, K], D [G * M, N]; only the first info[g] rows of
 //   group g are computed and written (tiles past them are skipped; info lives on the GPU, no host sync).
 // - LAYOUT_KGROUPED (weight gradient): group g reduces over k in [info[g], info[g + 1]) (multiples of 128) into
@@ -130,14 +131,14 @@ constexpr bool SCRATCH2 = SUBS == 1 && HALVES == 1 && !WGRAD && BN <= 128 && CON
 constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : CONSUMERS == 2 ? 232 : 152;
 static_assert(BM == 64 || BM == 128 || BM == 192 || BM == 256, "BM must be 64, 128, 192 or 256");
-static_assert(BM != 192 || (BN <= 128 && LAYOUT == LAYOUT_NORMAL),
-              "three consumers: m64nBN result and scratch in 152 registers; normal layout (no tile straddles groups)");
+static_assert(BM != 192 || (BN <= 128 && (LAYOUT == LAYOUT_NORMAL || (LAYOUT == LAYOUT_CONTIGUOUS && TILE_LIST))),
+              "three consumers: m64nBN result and scratch in 152 registers; normal layout, or contiguous from a list");
 static_assert(BM != 256 || BN <= 128, "two result sets of m64nBN and one scratch set must fit 232 registers");
 static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "BN must be a multiple of 16 in 16..256");
 static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0) || (MCAST == 2 && BM % 64 == 0 && BM >= 128),
               "multicast halves must be whole 8-row swizzle atoms");
 static_assert(!(LAYOUT == LAYOUT_CONTIGUOUS && MCAST == 1), "tiles paired along M may belong to different groups");
-static_assert(!TILE_LIST || (LAYOUT == LAYOUT_CONTIGUOUS && BM >= 128), "a tile list: contiguous, two halves of 64+");
+static_assert(!TILE_LIST || (LAYOUT == LAYOUT_CONTIGUOUS && BM >= 128), "a tile list: contiguous, 128+ rows");
 static_assert(KSPLIT == 1 || (KSPLIT <= 8 && MCAST == 0 && LAYOUT == LAYOUT_NORMAL && BM <= 128),
               "split-K: normal layout, at most 128 rows, no multicast, a portable cluster");
 

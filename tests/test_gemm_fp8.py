@@ -120,22 +120,30 @@ def test_config_choices():
     assert tile_and_splits(f.pick_config(192, 4096, 7168, H100))[2] == 1
     # contiguous: pairs along N only. 4 x 8192 rows, N = 4096: 128 x 192 in 43 waves x 40.7 = 1750 us against
     # 128 x 256 in 32 x 61.1 = 1956 and 128 x 128 in 63 x 29.9 = 1884; 256 x 128 in 32 x 53.7 = 1718, from a tile
-    # list where it is taller than the alignment, with groups / 2 more rows of tiles (32 + 1 waves at 128)
+    # list where it is taller than the alignment, with groups / 2 more rows of tiles (32 + 1 waves at 128); 192 x
+    # 128 (three consumers, unpaired: 96-row halves ran 1.02x the time) from a list at alignment 128 and 256, with
+    # 2 / 3 of the groups more rows: 171 + 2 rows of 32 tiles, 42 waves x 39.1 = 1641 (H200, 2026-11-28, same run
+    # with DeepGEMM: 0.963x the time of 256 x 128 over 7 cases, 0.93x at K 2048)
     def contiguous(m, groups, alignment, n=4096, k=7168):
         c = f.pick_config(m, n, k, H100, f.CONTIGUOUS, groups, alignment)
         return c.bm, c.bn, c.mcast, c.tile_list
-    assert contiguous(32768, 4, 256) == (256, 128, g.MCAST_SHARE_A, False)
-    assert contiguous(32768, 4, 128) == (256, 128, g.MCAST_SHARE_A, True)
+    assert contiguous(32768, 4, 256) == (192, 128, g.MCAST_NONE, 256)
+    assert contiguous(32768, 4, 128) == (192, 128, g.MCAST_NONE, 128)
     assert contiguous(30976, 4, 128)[3]  # uneven experts (7000, 9100, 8192, 6450 rows, segments of 128)
-    # 16 experts: 8 more rows of 256-row tiles cost more than 128 x 192 (H100, 2026-11-27, same run: 1775 us
-    # against 1693)
-    assert contiguous(32768, 16, 128) == (128, 192, g.MCAST_SHARE_A, False)
+    # 16 experts: 181 rows of 192 (44 waves, 1720) against 128 x 192 (1750) and 256 x 128 (33 waves, 1771); the
+    # three ran level (H200, same run: 1710 / 1719 / 1712 us)
+    assert contiguous(32768, 16, 128) == (192, 128, g.MCAST_NONE, 128)
+    # without 192 x 128 in tile_us: 256 x 128 for few experts a row, 128 x 192 for many (H100, 2026-11-27, same
+    # run, 16 experts: 1775 us against 1693)
+    no192 = f.Fp8Tuning(tile_us=tuple(e for e in f.TUNING.tile_us if e[0] != (192, 128)))
+    assert f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, 128, no192).bm == 256
+    assert f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 16, 128, no192).bn == 192
     # segments aligned to 64: 128-row tiles from the list for any number of experts (same run, 16 to 64 experts:
     # 1.3-1.5x faster than 64-row tiles); 64 rows or fewer in all: one 64-row tile row
     for groups in (4, 28, 64, 256):
-        assert contiguous(32768, groups, 64)[::3] == (128, True)
-    assert contiguous(64, 4, 64)[::3] == (64, False)
-    with pytest.raises(ValueError, match="force_tile has 256 rows"):  # a forced tile may not pass twice the alignment
+        assert contiguous(32768, groups, 64)[::3] == (128, 64)
+    assert contiguous(64, 4, 64)[::3] == (64, 0)
+    with pytest.raises(ValueError, match="force_tile has 256 rows"):  # three segments' rows in a tile row
         f.pick_config(32768, 4096, 7168, H100, f.CONTIGUOUS, 4, 64, tuning=f.Fp8Tuning(force_tile=(256, 128)))
     def pick_tile(m, n, k):
         c = f.pick_config(m, n, k, H100)
@@ -317,10 +325,16 @@ def test_gemm_fp8_192_row_tiles(rng, mode, shape):
     assert (192, mode) in cfgs  # the forced tile and pairing really ran
 
 
-def test_192_row_tiles_only_for_the_normal_layout():
-    for layout, groups in ((f.CONTIGUOUS, 4), (f.MASKED, 2), (f.KGROUPED, 2)):
+def test_192_row_tiles_only_for_the_normal_and_contiguous_layouts():
+    for layout, groups in ((f.MASKED, 2), (f.KGROUPED, 2)):
         with pytest.raises(ValueError, match="192-row tiles"):
             f.pick_config(1024, 4096, 7168, H100, layout, groups, tuning=forced(None, (192, 128)))
+    # contiguous: a 192-row tile row may hold three segments that start at multiples of 64
+    with pytest.raises(ValueError, match="three segments"):
+        f.pick_config(1024, 4096, 7168, H100, f.CONTIGUOUS, 4, 64, tuning=forced(None, (192, 128)))
+    for alignment in (128, 256):
+        assert f.pick_config(1024, 4096, 7168, H100, f.CONTIGUOUS, 4, alignment,
+                             tuning=forced(None, (192, 128))).tile_list == alignment
     for tile in ((192, 256), (256, 160), (96, 128), (128, 72)):  # (tiles the kernel does not build)
         with pytest.raises(ValueError, match="force_tile"):
             f.pick_config(1024, 4096, 7168, H100, tuning=forced(None, tile))
@@ -447,12 +461,14 @@ def _rel_err(got, ref):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("alignment, bm", [(128, 128), (64, 64), (256, 256), (128, 256), (64, 128)])
+@pytest.mark.parametrize("alignment, bm", [(128, 128), (64, 64), (256, 256), (128, 256), (64, 128), (128, 192),
+                                           (256, 192)])
 @pytest.mark.parametrize("nk", [(264, 1040), (2112, 512)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_A])
 def test_grouped_contiguous(rng, alignment, bm, nk, mode):
-    """Tiles of the alignment's height, and of twice it: in units of the alignment, expert 0 | padding,
-    padding | expert 2, expert 2, expert 3 | expert 4 (two entries of the tile list), padding only (skipped)."""
+    """Tiles of the alignment's height, and from a tile list: twice it (in units of the alignment, expert 0 |
+    padding, padding | expert 2, expert 2, expert 3 | expert 4: two entries of the list, padding only: skipped)
+    and 192 rows (three consumers; tile rows that hold two segments' rows at either cut of the alignment)."""
     tuning = forced(mode, (bm, 128))
     n, k = nk
     tokens = [100, 0, 257, alignment, 1]  # per expert; each segment padded to `alignment` rows
@@ -476,7 +492,7 @@ def test_grouped_contiguous(rng, alignment, bm, nk, mode):
         assert np.isfinite(got[rows]).all(), f"expert {e}: rows not written"
         assert _rel_err(got[rows], ref) <= 5e-3, e
     assert np.isnan(got[ids < 0]).all(), "a padding row was written"
-    assert {(p.cfg.bm, p.cfg.tile_list) for p in plans_under(tuning)} == {(bm, bm > alignment)}
+    assert {(p.cfg.bm, p.cfg.tile_list) for p in plans_under(tuning)} == {(bm, alignment if alignment % bm else 0)}
 
 
 @pytest.mark.gpu
@@ -504,44 +520,47 @@ def test_contiguous_tile_list_per_call(rng):
     assert f.pick_config(m, n, k, H100, f.CONTIGUOUS, groups, 64).tile_list
 
 
-def _tile_list_reference(ids, groups, tile_m):
-    """contiguous_tiles.cu's entries: per tile row, the group of its first half, then that of its second half
-    where it differs (ids outside [0, groups) count as padding), as (2 x tile row + whole, group): whole when
-    every row of the tile row is the group's."""
+def _tile_list_reference(ids, groups, tile_m, align):
+    """contiguous_tiles.cu's entries: per tile row, the group of its first row, then, where a segment starts inside
+    the row (at its first multiple of `align`) with another group, that group (ids outside [0, groups) count as
+    padding), as (2 x tile row + whole, group): whole when every row of the tile row is the group's."""
     def group(row):
         return int(ids[row]) if row < len(ids) and 0 <= ids[row] < groups else -1
     entries = []
     for r in range(-(-len(ids) // tile_m)):
-        first, second = group(r * tile_m), group(r * tile_m + tile_m // 2)
-        whole = first >= 0 and all(group(row) == first for row in range(r * tile_m, (r + 1) * tile_m))
+        m0 = r * tile_m
+        cut = (m0 // align + 1) * align
+        first, second = group(m0), group(cut) if cut < min(m0 + tile_m, len(ids)) else -1
+        whole = first >= 0 and all(group(row) == first for row in range(m0, m0 + tile_m))
         entries += [(2 * r + (whole and x == first), x) for x in (first, second if second != first else -1)
                     if x >= 0]
     return entries
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_m, segments", [(128, "random"), (256, "random"), (128, "every half"),
-                                              (256, "alternating")])
-def test_contiguous_tile_list(rng, tile_m, segments):
+@pytest.mark.parametrize("tile_m, align, segments", [(128, 64, "random"), (256, 128, "random"), (128, 64, "every start"),
+                                                     (256, 128, "alternating"), (192, 128, "random"),
+                                                     (192, 256, "random"), (192, 128, "alternating")])
+def test_contiguous_tile_list(rng, tile_m, align, segments):
     """The list kernel against its reference over more tile rows than one pass of its CTA (1024), with ids past
-    the groups, padding, a last tile row cut short, and ids that alternate (each half its own entry)."""
-    half, groups = tile_m // 2, 37
+    the groups, padding, a last tile row cut short, and ids that alternate (each aligned piece its own entry)."""
+    groups = 37
     ids = []
     if segments == "random":
         for e in range(groups + 3):  # (the last three ids are past the groups: padding alike)
-            t = int(rng.integers(80 * half, 110 * half)) if e % 5 else 0  # (and some experts without tokens)
-            ids += [e] * t + [-1] * (-t % half)
-    else:  # a new segment at every half (alternating: two groups taking turns)
-        ids = [(i // half) % (groups if segments == "every half" else 2) for i in range(2100 * half)]
-    ids = np.array(ids + [5] * (half // 2), np.int32)  # a segment that ends inside the last half
+            t = int(rng.integers(80 * align, 110 * align)) if e % 5 else 0  # (and some experts without tokens)
+            ids += [e] * t + [-1] * (-t % align)
+    else:  # a new segment at every multiple of the alignment (alternating: two groups taking turns)
+        ids = [(i // align) % (groups if segments == "every start" else 2) for i in range(2100 * align)]
+    ids = np.array(ids + [5] * (align // 2), np.int32)  # a segment that ends inside the last piece
     rows = -(-len(ids) // tile_m)
     assert rows > 1024
     lst = DeviceArray.empty((2 + 4 * rows,), "int32").fill_bytes(0xFF)
     launch = get_launcher("contiguous_tiles.cu", "contiguous_tile_list", {}, 0, f._LIST_ARGS, (f._LIST_THREADS,))
     ids_dev = DeviceArray.from_numpy(ids)
-    launch.run((1, 1, 1), 0, (ids_dev.ptr, len(ids), groups, tile_m, lst.ptr))
+    launch.run((1, 1, 1), 0, (ids_dev.ptr, len(ids), groups, tile_m, align, lst.ptr))
     got = lst.numpy()
-    ref = _tile_list_reference(ids, groups, tile_m)
+    ref = _tile_list_reference(ids, groups, tile_m, align)
     assert got[0] == len(ref)
     assert [tuple(e) for e in got[2:2 + 2 * len(ref)].reshape(-1, 2)] == ref
     assert (got[2 + 2 * len(ref):] == -1).all(), "an entry past the count was written"

@@ -291,8 +291,8 @@ def test_contiguous_tile_list_launch(fake_driver, recorder):
     ck.gemm_fp8_grouped_contiguous(*args, out=_arr((m, 512), device=1), alignment=64, stream=0x2345)
     (lst, lst_grid, lst_args), (gemm, _, gemm_args) = recorder.args
     assert (lst, gemm) == ("contiguous_tile_list", "gemm_fp8_kernel") and lst_grid == (1, 1, 1)
-    assert lst_args[:4] == (ids.ptr, m, 2, 128) and lst_args[4] not in (0, ids.ptr)
-    assert gemm_args[11:13] == (ids.ptr, lst_args[4])
+    assert lst_args[:5] == (ids.ptr, m, 2, 128, 64) and lst_args[5] not in (0, ids.ptr)
+    assert gemm_args[11:13] == (ids.ptr, lst_args[5])
     assert [launch[1] for launch in recorder.launches] == [0x2345, 0x2345]
     recorder.args.clear()
     ck.gemm_fp8_grouped_contiguous(*args, out=_arr((m, 512), device=1), alignment=256, stream=0x2345)

@@ -5,6 +5,7 @@ rows per expert, masked per-expert batches) and the K-grouped weight gradient wi
 accumulated into an fp32 D. One kernel, ptx/gemm_fp8.cu, compiled per layout."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from ..runtime import dtypes as dt
@@ -29,7 +30,7 @@ _CONVERT_ARGS = ("ptr", "i64", "i64", "ptr", "i64", "i32", "i32")
 _CONVERT_THREADS = 256
 _FILL_ARGS = ("ptr", "i32", "i32[512]")  # ptx/fill.cu
 _FILL_MAX = 512
-_LIST_ARGS = ("ptr", "i32", "i32", "i32", "ptr")  # ptx/contiguous_tiles.cu
+_LIST_ARGS = ("ptr", "i32", "i32", "i32", "i32", "ptr")  # ptx/contiguous_tiles.cu
 _LIST_THREADS = 1024
 
 
@@ -87,7 +88,8 @@ class Fp8Config:
     layout: str = NORMAL
     splits: int = 1                # split-K: a cluster of `splits` CTAs per tile, one K slice each
     stream_b: bool = False         # B loaded with an evict-first L2 policy (sm90.streams_b)
-    tile_list: bool = False        # contiguous tiles twice the segments' alignment: from a list (TILE_LIST)
+    tile_list: int = 0             # contiguous tiles that the segments' alignment (this) is not a multiple of:
+                                   # from a list (TILE_LIST)
     warm_l2: bool = False          # B's first k block into L2 before pdl_wait (L2_WARM; normal layout, PDL)
 
     @property
@@ -106,6 +108,17 @@ class Fp8Config:
 def _consumers(bm: int) -> int:
     """Consumer warpgroups of a BM-row tile (ptx/gemm_fp8.cu CONSUMERS)."""
     return 1 if bm == 64 else 3 if bm == 192 else 2
+
+
+def fits_segments(bm: int, alignment: int) -> bool:
+    """Whether a BM-row tile row holds the rows of at most two contiguous segments that start at multiples of
+    `alignment` (ptx/contiguous_tiles.cu: at most one segment start inside it)."""
+    return bm <= alignment + math.gcd(alignment, bm)
+
+
+def _straddles(bm: int, alignment: int) -> float:
+    """The share of segment starts that fall inside a BM-row tile row rather than on its first row."""
+    return 1 - alignment / math.lcm(alignment, bm)
 
 
 def _out_bytes(layout: str) -> int:
@@ -207,14 +220,16 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
                 alignment: int = 256, tuning: Fp8Tuning = TUNING) -> Fp8Config:
     """The tile, stages, 2-CTA pairing and tile order for one GEMM (for the masked and K-grouped layouts m is one
     group's rows and the waves count all `groups` groups' tiles). Contiguous: the segments start at multiples of
-    `alignment` rows; tiles up to twice that tall (at most 256) come from a tile list (`tile_list`), where a tile
-    row that holds two segments' rows counts once per segment: the tile cost counts groups / 2 more rows of them
-    (segment sizes that are random multiples of the alignment). At alignment 64 that is always 128-row tiles.
+    `alignment` rows; tiles whose rows the alignment is not a multiple of (128 rows at alignment 64, 192 at 128
+    or 256, 256 at 128: `fits_segments`) come from a tile list (`tile_list`), where a tile row that holds two
+    segments' rows counts once per segment: the tile cost counts that share of the groups more rows of them
+    (`_straddles`; segment sizes that are random multiples of the alignment). At alignment 64 that is always
+    128-row tiles.
 
     BM 64 for M <= 64 (one consumer warpgroup). With several row blocks of 128 (compute-bound), the tile with the
     least waves x estimated tile time (`_tile_us`) among 128 x (64..256), 256 x 128 (normal GEMM from 512
     rows, masked from 256 rows a group, contiguous when the segments allow it) and 192 x 128 (three consumer
-    warpgroups; normal GEMM from 512 rows, where tile_us has it), then, for the normal GEMM where that
+    warpgroups; normal GEMM from 512 rows and contiguous at alignment 128 or 256, where tile_us has it), then, for the normal GEMM where that
     pick does not split, one wave of 64-row tiles where cheaper; otherwise (memory-bound) BM 128 and BN a multiple
     of 16 up to max_bn_memory_bound (or N rounded up to 16) with the fewest waves, then the fullest
     last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_small_m`; their two
@@ -225,12 +240,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
     there), and contiguous tiles pair along N only (two tiles along M may belong to two experts)."""
     t = tuning
-    tallest = 256
-    extra_rows = 0  # contiguous: rows of tiles taller than the alignment that hold two segments' rows (expected)
-    if layout == CONTIGUOUS:
-        tallest = min(256, 2 * alignment)
-        extra_rows = groups // 2
-    bm = 64 if m <= 64 or tallest == 64 else 128
+    bm = 64 if m <= 64 else 128
     splits = 1
     per_group = layout in (MASKED, KGROUPED)
     m_all = groups * -(-m // bm) * bm if per_group else m  # rows that the tile count sees
@@ -240,13 +250,14 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     k_blocks = -(-(k // groups if layout == KGROUPED else k) // BK)  # one tile's k blocks
     if t.force_tile is not None:
         bm, bn = t.force_tile
-        if layout == CONTIGUOUS and bm > 2 * alignment:  # (a tile may hold two segments' rows, not three)
-            raise ValueError(f"force_tile has {bm} rows; this call allows at most twice the alignment ({alignment})")
+        if layout == CONTIGUOUS and not fits_segments(bm, alignment):
+            raise ValueError(f"force_tile has {bm} rows: at alignment {alignment} a tile row could hold the rows of "
+                             "three segments (two at most)")
         if bm not in (64, 128, 192, 256) or bn % 16 or not 16 <= bn <= (128 if bm >= 192 else MAX_BN):
             raise ValueError(f"force_tile {(bm, bn)}: BM is 64, 128, 192 or 256 and BN a multiple of 16 up to "
                              f"{MAX_BN} (128 for 192 and 256 rows)")
-        if bm == 192 and layout != NORMAL:
-            raise ValueError("force_tile: 192-row tiles are for the normal layout only")
+        if bm == 192 and layout not in (NORMAL, CONTIGUOUS):
+            raise ValueError("force_tile: 192-row tiles are for the normal and contiguous layouts only")
         splits = t.force_splits or 1
         if splits > 1 and (bm > 128 or splits > 8 or layout != NORMAL):
             raise ValueError(f"force_splits {splits}: split-K takes tiles of at most 128 rows, 2..8 slices, "
@@ -257,14 +268,15 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
                                                                                           if a == 128)}
         cands = [(128, b) for b in widths if b <= top]
         tall = {NORMAL: m >= 512, MASKED: m >= 256, CONTIGUOUS: True, KGROUPED: False}[layout]
-        if tall and tallest >= 256:
-            cands.append((256, 128))
-        if tall and layout == NORMAL and (192, 128) in dict(t.tile_us):  # (it would straddle contiguous segments;
-            cands.append((192, 128))                                        # masked: not measured)
+        fits = {tbm: tall and (layout != CONTIGUOUS or fits_segments(tbm, alignment)) for tbm in (192, 256)}
+        cands += [(256, 128)] * fits[256]
+        if fits[192] and layout != MASKED and (192, 128) in dict(t.tile_us):  # (masked: not measured)
+            cands.append((192, 128))
 
         def cost(c):
             tbm, tbn = c
-            tiles = (-(-m_all // tbm) + (extra_rows if tbm > alignment else 0)) * -(-n // tbn)
+            straddling = int(groups * _straddles(tbm, alignment)) if layout == CONTIGUOUS else 0
+            tiles = (-(-m_all // tbm) + straddling) * -(-n // tbn)
             return -(-tiles // props.sm_count) * _tile_us(tbm, tbn, k_blocks, layout, t), -tbn, tbm
         bm, bn = min(cands, key=cost)
         tiles_m = -(-m_all // bm)
@@ -311,7 +323,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         mcast = sm90.pick_multicast(m_all, n, bm, bn, 1, False, props, t, share_b)
     group_m = 1 if t.force_splits else sm90.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     stream_b = layout == NORMAL and sm90.streams_b(m, k, 1, t)
-    tile_list = layout == CONTIGUOUS and bm > alignment
+    tile_list = alignment if layout == CONTIGUOUS and alignment % bm else 0
     warm_l2 = layout == NORMAL and t.pdl and t.warm_l2
     return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits, stream_b,
                      tile_list, warm_l2)
@@ -585,7 +597,7 @@ def _launch(plan, h, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr, ks=None):
         if plan.tile_list is not None:
             list_ptr = next(slots)
             m, _, _, groups = plan.args
-            plan.tile_list.run((1, 1, 1), h, (info_ptr, m, groups, plan.cfg.bm, list_ptr))
+            plan.tile_list.run((1, 1, 1), h, (info_ptr, m, groups, plan.cfg.bm, plan.cfg.tile_list, list_ptr))
         plan.launch.run(plan.grid, h, _args(plan, a_ptr, sa_ptr, b_ptr, sb_ptr, d_ptr, info_ptr, sb_mmajor, list_ptr))
     finally:
         leave_device(caller)
@@ -650,11 +662,12 @@ def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment:
     a: [M, K] e4m3, sa: [M, ceil(K/128)] fp32, b: [G, N, K] e4m3, sb: [G, ceil(N/128), ceil(K/128)] fp32,
     m_indices: [M] int32 on the GPU, the expert of each row or -1 for a padding row; out: [M, N] bf16.
     Each expert's segment must start at a multiple of `alignment` rows (64, 128 or 256), the padding rows of a
-    segment after its tokens. Tiles may be up to twice the alignment tall (at most 256 rows): a small kernel
-    first lists the rows of tiles per expert on the GPU (a row of tiles that holds the end of one segment and the
-    start of the next runs once per expert), so that every unit of the persistent grid is one tile of work. At
-    alignment 64, 128-row tiles run 1.3-1.5x faster than 64-row ones (16 to 64 experts on 32k rows, H100); at
-    128, 256-row tiles are taken for few experts per row (2-3% faster at K 7168). Tiles of padding rows only
+    segment after its tokens. Tiles need not divide the alignment (128 rows at alignment 64, 192 at 128 or 256,
+    256 at 128): a small kernel first lists the rows of tiles per expert on the GPU (a row of tiles that holds
+    the end of one segment and the start of the next runs once per expert), so that every unit of the
+    persistent grid is one tile of work. At alignment 64, 128-row tiles run 1.3-1.5x faster than 64-row ones (16
+    to 64 experts on 32k rows, H100); at 128, 256-row tiles are taken for few experts per row (2-3% faster at K
+    7168). Tiles of padding rows only
     are skipped entirely (no loads, no math, no writes); padding rows are never written. Scales as for
     `gemm_fp8`. Not checked on the host (it would need a device sync): a segment that starts off the alignment
     leaves the rows of its first tile that belong to it unwritten.
