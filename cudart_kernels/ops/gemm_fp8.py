@@ -44,7 +44,7 @@ class Fp8Tuning(sm90.Sm90Tuning):
     # 128-row tiles scale 128 x 128 per column and k block by bn_cost (bn_cost_wgrad for the weight gradient).
     # The 64-row entries are the widths of the one-wave 64-row tiles that may replace a few rows of 128.
     tile_us: tuple = (((128, 128), (1.12, 0.514)), ((128, 192), (1.23, 0.705)), ((128, 256), (1.93, 1.057)),
-                      ((256, 128), (1.04, 0.94)), ((192, 128), (1.0, 0.68)), ((64, 80), (1.0, 0.265)),
+                      ((256, 128), (1.5, 0.94)), ((192, 128), (1.0, 0.68)), ((64, 80), (1.0, 0.265)),
                       ((64, 96), (1.0, 0.275)),
                       ((64, 128), (1.0, 0.30)))
     bn_cost: tuple = ((64, 1.35), (96, 1.27), (160, 0.94))
