@@ -142,11 +142,13 @@ for mode in (g.MCAST_NONE, g.MCAST_SHARE_A):
     sw3 = DeviceArray(sw3.ptr, (2, 2, 5), sw3.dtype, None, sw3.device, owner=sw3)
     d = ck.gemm_fp8_grouped_contiguous(qa3, sa3, qw3, sw3, ids, tuning=t)
     assert np.isfinite(d.numpy()[:100].astype(np.float32)).all()
-    # 256-row tiles over both experts' segments (aligned to 128): from the tile list, one entry per expert
-    d2 = ck.gemm_fp8_grouped_contiguous(qa3, sa3, qw3, sw3, ids, tuning=replace(t, force_tile=(256, 128)))
-    for rows in (slice(0, 100), slice(128, 256)):
-        got, want = d2.numpy()[rows].astype(np.float32), d.numpy()[rows].astype(np.float32)
-        assert np.allclose(got, want, rtol=2e-2, atol=1e-2)
+    # 256- and 192-row tiles over both experts' segments (aligned to 128): from the tile list, one entry per expert
+    # in a tile row (192 rows: a segment starts at row 128 of the first, the padding at row 64 of the second)
+    for bm in (256, 192):
+        d2 = ck.gemm_fp8_grouped_contiguous(qa3, sa3, qw3, sw3, ids, tuning=replace(t, force_tile=(bm, 128)))
+        for rows in (slice(0, 100), slice(128, 256)):
+            got, want = d2.numpy()[rows].astype(np.float32), d.numpy()[rows].astype(np.float32)
+            assert np.allclose(got, want, rtol=2e-2, atol=1e-2)
     qm = DeviceArray(qa3.ptr, (2, 192, 528), qa3.dtype, None, qa3.device, owner=qa3)
     sm = DeviceArray(sa3.ptr, (2, 192, 5), sa3.dtype, (1 * 192, 1, sa3.strides[1]), sa3.device, owner=sa3)
     d = ck.gemm_fp8_grouped_masked(qm, sm, qw3, sw3, DeviceArray.from_numpy(np.array([70, 192], np.int32)), tuning=t)
