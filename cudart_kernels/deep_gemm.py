@@ -31,7 +31,7 @@ from .ops.quantize import mmajor_stride, quantize_fp8_per_block, quantize_fp8_pe
 
 _BLOCK_B = (1, 128, 128)  # sA 1x128 per token, sB 128x128 per block: the default
 _ROW_B = (1, 1, 128)      # 1x128 groups on both sides: the accumulating fp32 GEMM, the weight gradient
-_ALIGNMENTS = (64, 128, 256)  # segment alignments the contiguous kernel takes (its tile heights)
+_ALIGNMENTS = (64, 128, 256)  # segment alignments the contiguous kernel takes
 _settings = {"mk_alignment": 128, "fp8": _FP8_TUNING, "bf16": _GEMM_TUNING}
 
 
@@ -463,8 +463,8 @@ def get_mk_alignment_for_contiguous_layout() -> int:
 
 
 def set_mk_alignment_for_contiguous_layout(new_value: int) -> None:
-    """The row alignment of the contiguous layout's segments: 64, 128 (the default) or 256 (256 lets the kernel
-    run 256-row tiles)."""
+    """The row alignment of the contiguous layout's segments: 64, 128 (the default) or 256 (at 64 the kernel runs
+    128-row tiles, at 128 and 256 up to 256 rows)."""
     if new_value not in _ALIGNMENTS:
         raise ValueError(f"alignment {new_value}: the contiguous kernel takes {', '.join(map(str, _ALIGNMENTS))}")
     _settings["mk_alignment"] = int(new_value)

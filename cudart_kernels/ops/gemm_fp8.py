@@ -229,12 +229,12 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     BM 64 for M <= 64 (one consumer warpgroup). With several row blocks of 128 (compute-bound), the tile with the
     least waves x estimated tile time (`_tile_us`) among 128 x (64..256), 256 x 128 (normal GEMM from 512
     rows, masked from 256 rows a group, contiguous when the segments allow it) and 192 x 128 (three consumer
-    warpgroups; normal GEMM from 512 rows and contiguous at alignment 128 or 256, where tile_us has it), then, for the normal GEMM where that
-    pick does not split, one wave of 64-row tiles where cheaper; otherwise (memory-bound) BM 128 and BN a multiple
-    of 16 up to max_bn_memory_bound (or N rounded up to 16) with the fewest waves, then the fullest
-    last wave, then the widest; for M <= 128, 64-row tiles when they stream less per CTA (`_small_m`; their two
-    rows pair along M, sharing B, from narrow_pair_min_bn columns). Either
-    way, a 2-way split-K over 2-CTA clusters where it streams much less per CTA and, for several rows of tiles,
+    warpgroups; normal GEMM from 512 rows and contiguous at alignment 128 or 256, where tile_us has it), then,
+    for the normal GEMM where that pick does not split, one wave of 64-row tiles where cheaper; otherwise
+    (memory-bound) BM 128 and BN a multiple of 16 up to max_bn_memory_bound (or N rounded up to 16) with the
+    fewest waves, then the fullest last wave, then the widest; for M <= 128, 64-row tiles when they stream less
+    per CTA (`_small_m`; their two rows pair along M, sharing B, from narrow_pair_min_bn columns). Either way, a
+    2-way split-K over 2-CTA clusters where it streams much less per CTA and, for several rows of tiles,
     where the tiles would leave half the SMs idle (`_split_in_two`). Stages fill the shared-memory budget, up to
     one tile's k blocks (at least min_stages). Pairs and tile order as for the BF16 GEMM, but no pairs with a
     single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
@@ -361,9 +361,12 @@ BENCH_SHAPES = {
 def _bench_configs(props):
     for m, n, k in BENCH_SHAPES["normal"]:
         yield pick_config(m, n, k, props)
+    no192 = Fp8Tuning(tile_us=tuple(e for e in TUNING.tile_us if e[0] != (192, 128)))
     for g, rows, n, k in BENCH_SHAPES["contiguous"]:
         for alignment in (64, 128, 256):
             yield pick_config(g * rows, n, k, props, CONTIGUOUS, g, alignment)
+            # (and the contiguous kernels the pick takes elsewhere: 256 x 128 with and without a list)
+            yield pick_config(g * rows, n, k, props, CONTIGUOUS, g, alignment, no192)
     for g, rows, n, k in BENCH_SHAPES["masked"]:
         yield pick_config(rows, n, k, props, MASKED, g)
     for g, tokens, m, n in BENCH_SHAPES["wgrad"]:
@@ -666,8 +669,8 @@ def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment:
     256 at 128): a small kernel first lists the rows of tiles per expert on the GPU (a row of tiles that holds
     the end of one segment and the start of the next runs once per expert), so that every unit of the
     persistent grid is one tile of work. At alignment 64, 128-row tiles run 1.3-1.5x faster than 64-row ones (16
-    to 64 experts on 32k rows, H100); at 128, 256-row tiles are taken for few experts per row (2-3% faster at K
-    7168). Tiles of padding rows only
+    to 64 experts on 32k rows, H100); at 128 and 256, 192-row tiles (0.93-0.98x the time of 256-row ones on 4 to
+    16 experts, H200). Tiles of padding rows only
     are skipped entirely (no loads, no math, no writes); padding rows are never written. Scales as for
     `gemm_fp8`. Not checked on the host (it would need a device sync): a segment that starts off the alignment
     leaves the rows of its first tile that belong to it unwritten.

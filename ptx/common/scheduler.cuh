@@ -36,7 +36,7 @@ __device__ __forceinline__ ChunkedUnit chunked_unit(int u, int blocks, int group
 // Layouts of a GEMM's operands (a kernel's LAYOUT define; `info` is a device int array).
 #define LAYOUT_NORMAL 0      // one GEMM
 #define LAYOUT_CONTIGUOUS 1  // MoE prefill: A's rows are the groups' rows back to back, info[m] the group of row m
-                             // (tiles taller than the segments' alignment: from a list, contiguous_tiles.cu)
+                             // (tiles that do not divide the segments' alignment: from a list, contiguous_tiles.cu)
 #define LAYOUT_MASKED 2      // MoE decode: G GEMMs of M rows, only the first info[g] rows of group g count
 #define LAYOUT_KGROUPED 3    // weight gradient: group g sums k in [info[g], info[g + 1]) into its own D[g]
 
