@@ -35,10 +35,11 @@
 // freely: with the descriptors in uniform registers, making them take turns (named-barrier ping-pong) no longer
 // paid (H100: 1-3% slower).
 //
-// BM = 192 (BN <= 128, normal layout) runs three consumers of one m64 row block each, with one scratch set (152
-// registers a consumer). The promotion's FFMAs are what a consumer cannot overlap with its own wgmma; two other
-// consumers' groups hide them better than one: the same rhythm ran at 0.955 of the tensor rate against 0.884 for
-// 256 x 128 in a microbenchmark behind a stage ring (H200), and the tile reads as much from L2 per flop as 128 x 192.
+// BM = 192 (BN <= 128; normal layout, or contiguous from a tile list) runs three consumers of one m64 row block
+// each, with one scratch set (152 registers a consumer). The promotion's FFMAs are what a consumer cannot overlap
+// with its own wgmma; two other consumers' groups hide them better than one: the same rhythm ran at 0.955 of the
+// tensor rate against 0.884 for 256 x 128 in a microbenchmark behind a stage ring (H200), and the tile reads as
+// much from L2 per flop as 128 x 192.
 //
 // One row block of at most 128 columns per consumer (BM 64 or 128, not the weight gradient): two scratch sets, k
 // block kb + 1 issued before kb is promoted (TwoScratch). Of 144..192 columns: the two sets hold the two column

@@ -268,9 +268,11 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
                                                                                           if a == 128)}
         cands = [(128, b) for b in widths if b <= top]
         tall = {NORMAL: m >= 512, MASKED: m >= 256, CONTIGUOUS: True, KGROUPED: False}[layout]
-        fits = {tbm: tall and (layout != CONTIGUOUS or fits_segments(tbm, alignment)) for tbm in (192, 256)}
-        cands += [(256, 128)] * fits[256]
-        if fits[192] and layout != MASKED and (192, 128) in dict(t.tile_us):  # (masked: not measured)
+        def tall_fits(tbm):
+            return tall and (layout != CONTIGUOUS or fits_segments(tbm, alignment))
+        if tall_fits(256):
+            cands.append((256, 128))
+        if tall_fits(192) and layout != MASKED and (192, 128) in dict(t.tile_us):  # (masked: not measured)
             cands.append((192, 128))
 
         def cost(c):
@@ -670,10 +672,9 @@ def gemm_fp8_grouped_contiguous(a, sa, b, sb, m_indices, out=None, *, alignment:
     the end of one segment and the start of the next runs once per expert), so that every unit of the
     persistent grid is one tile of work. At alignment 64, 128-row tiles run 1.3-1.5x faster than 64-row ones (16
     to 64 experts on 32k rows, H100); at 128 and 256, 192-row tiles (0.93-0.98x the time of 256-row ones on 4 to
-    16 experts, H200). Tiles of padding rows only
-    are skipped entirely (no loads, no math, no writes); padding rows are never written. Scales as for
-    `gemm_fp8`. Not checked on the host (it would need a device sync): a segment that starts off the alignment
-    leaves the rows of its first tile that belong to it unwritten.
+    16 experts, H200). Tiles of padding rows only are skipped entirely (no loads, no math, no writes); padding
+    rows are never written. Scales as for `gemm_fp8`. Not checked on the host (it would need a device sync): a
+    segment that starts off the alignment leaves the rows of its first tile that belong to it unwritten.
     """
     if alignment not in (64, 128, 256):
         raise ValueError(f"alignment must be 64, 128 or 256 rows, got {alignment}")
