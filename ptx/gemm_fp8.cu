@@ -17,7 +17,7 @@
 // - LAYOUT_CONTIGUOUS (MoE prefill): A's M rows are the experts' rows back to back, info[m] the group of row m
 //   (-1: padding); B is [G, N, K] seen as [G * N, K]. Each group's segment starts at a multiple of BM, so a tile
 //   holds one group's rows (and padding), or is padding only and skipped. TILE_LIST = 1: segments start at
-//   multiples of an alignment that BM is not a multiple of (128 rows at 64, 192 at 128 or 256, 256 at 128), so a
+//   multiples of an alignment that is not a multiple of BM (128 rows at 64, 192 at 128 or 256, 256 at 128), so a
 //   tile may hold the rows of two groups; the tiles come from a list of (tile row, group) entries
 //   (contiguous_tiles.cu, `tile_list`), a tile row of two groups as two entries, each run against its group's B.
 //   Rows of another group or padding are not written.
