@@ -28,7 +28,9 @@ def fake(shape, dtype, strides=None, offset=0):
 def test_config_fits_and_matches_the_kernel_layout(shape, out_bytes, split_k):
     m, n, k = shape
     cfg = g.pick_config(m, n, k, out_bytes, H100, split_k)
-    assert cfg.bm == g.row_tile(m) or cfg.splits > 1 and cfg.bm == 64 and m <= g.TUNING.split_bm64_max_m
+    # 64-row tiles: the split search's (M <= split_bm64_max_m), or one wave of unsplit ones (unsplit_wave)
+    one_wave = cfg.splits == 1 and -(-m // 64) * -(-n // cfg.bn) <= H100.sm_count
+    assert cfg.bm == g.row_tile(m) or cfg.bm == 64 and (cfg.splits > 1 and m <= g.TUNING.split_bm64_max_m or one_wave)
     assert cfg.bn % 8 == 0 and 8 <= cfg.bn <= (256 if cfg.bm < 192 else 160 if cfg.splits > 1 else 192)
     assert 2 <= cfg.stages <= g.MAX_STAGES
     epi = 4 if cfg.splits > 1 else out_bytes
@@ -80,18 +82,34 @@ def test_config_choices():
     assert g.pick_config(128, 7168, 16384, 2, H100).splits >= 2  # 56 unsplit 64-row tiles: half the GPU
     # 64x7168x16384: 112 tiles already; measured 62 us unsplit vs 74 us split in two (H200)
     assert g.pick_config(64, 7168, 16384, 2, H100).splits == 1
-    # 192-row tiles where 128-row ones would add a mostly empty row block (M 129..192, 321..384): 192x7168x8192
-    # 192 x 128 x 2 splits (55.2 us against 78.0 for 128 x 112; 192 x 64 unsplit measured 49.6), 160x4096x4096 split
+    # 192-row tiles where 128-row ones would add a mostly empty row block (M 129..192, 321..384), split where few
+    # tiles have a long K (192x512x16384); where a wave of unsplit 64-row tiles fills the GPU it runs instead
+    # (unsplit_wave: 192x7168x8192 64 x 176, where 192 x 128 x 2 splits measured 55.2 us and 192 x 64 unsplit
+    # 49.6 on the H100; on the H200 192x7168x4096 28.0 -> 23.8 us)
     assert [g.row_tile(m) for m in (64, 65, 128, 129, 192, 193, 320, 321, 384, 385)] == [64, 128, 128, 192, 192,
                                                                                         128, 128, 192, 192, 128]
-    assert tuple(g.pick_config(192, 7168, 8192, 2, H100).__dict__.values())[:4] == (192, 128, 4, 2)
-    cfg = g.pick_config(160, 4096, 4096, 2, H100)
+    assert tuple(g.pick_config(192, 7168, 8192, 2, H100).__dict__.values())[:4] == (64, 176, 7, 1)
+    cfg = g.pick_config(160, 512, 16384, 2, H100)
     assert cfg.bm == 192 and cfg.splits > 1 and cfg.bn <= g.TUNING.bm192_split_max_bn
     assert g.pick_config(384, 7168, 8192, 2, H100).bm == 192
     assert g.pick_config(160, 4096, 4096, 2, H100, split_k=3).bn <= g.TUNING.bm192_split_max_bn  # forced splits too
     # enough tiles: no split
     for m, n, k in g.BENCH_SHAPES["large"]:
         assert g.pick_config(m, n, k, 2, H100).splits == 1
+
+
+def test_one_wave_of_unsplit_tiles_beats_a_close_split():
+    # Measured on an H200 (2026-11-28): one wave of unsplit 64-row tiles ran 0.55-0.98x the time of the split
+    # picks they replace on 46 of 50 changed shapes (1024x1024x4096 18.5 -> 16.3 us, 384x4096x4096 31.2 -> 22.6)
+    for p in (H100, H200):
+        for (m, n, k), bn in (((1024, 1024, 4096), 128), ((384, 4096, 4096), 192), ((160, 2560, 1024), 64)):
+            cfg = g.pick_config(m, n, k, 2, p)
+            assert (cfg.bm, cfg.bn, cfg.splits) == (64, bn, 1)
+            assert 0.9 * p.sm_count <= -(-m // 64) * -(-n // bn) <= p.sm_count
+        # long K with few tiles still splits: a wave of narrow tiles over all of K is far slower
+        for m, n, k in ((512, 512, 65536), (1024, 1024, 65536), (256, 256, 32768), (128, 2048, 28672)):
+            assert g.pick_config(m, n, k, 2, p).splits > 1
+        assert g.unsplit_wave(512, 512, 65536, False, p)[0] > 2 * g.split_time_us(512, 512, 65536, 128, 256, 16, p)
 
 
 def test_picks_take_the_device_figures(monkeypatch):

@@ -259,7 +259,8 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     and 321..384, else 128 (`row_tile`; split-K searches 64-row tiles up to split_bm64_max_m); BN runs over
     multiples of 16 up to 256 (192 for 192-row tiles) and N rounded up to 8 when N is small; fewer waves win, then
     a fuller last wave, then the larger tile. When the tiles do not fill the GPU, (BN, splits) pairs are compared
-    with a throughput model (`split_time_us`). `split_k` forces the count. Stages fill the smem budget.
+    with a throughput model (`split_time_us`), and a split pick gives way to one wave of unsplit tiles that the
+    model puts within `close` of it (`unsplit_wave`). `split_k` forces the count. Stages fill the smem budget.
     """
     t = tuning
     if t.force_config is not None:
@@ -272,7 +273,10 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     bn0 = sm90.fewest_waves_bn(m, n, bm, [b for b in _bn_candidates(n) if _bn_fits(bm, b, 1, t)
                                           and max_stages(bm, b, epi_plain, budget, b_kn) >= 2], props)
     if split_k is None and not unsplit_fills(m, n, bm, bn0, props, t) and k_blocks >= 2 * t.min_kblocks_per_split:
-        _, bm, bn, splits = choose_split(split_candidates(m, n, k, bm, bn0, b_kn, props, t), m, n, props, t)
+        est, bm, bn, splits = choose_split(split_candidates(m, n, k, bm, bn0, b_kn, props, t), m, n, props, t)
+        wave = unsplit_wave(m, n, k, b_kn, props, t)
+        if splits > 1 and wave is not None and wave[0] <= t.close * est:
+            _, bm, bn, splits = wave
     elif splits > 1:  # forced count: fewest waves of units, then the larger tile
         fits = [b for b in _bn_candidates(n)
                 if _bn_fits(bm, b, splits, t) and max_stages(bm, b, 4, budget, b_kn) >= 2]
@@ -289,6 +293,22 @@ def unsplit_fills(m: int, n: int, bm: int, bn: int, props: DeviceProperties, tun
     if bm == 64:
         return bn >= tuning.narrow_min_bn and tiles >= tuning.split_below_fill * props.sm_count
     return tiles >= props.sm_count
+
+
+def unsplit_wave(m: int, n: int, k: int, b_kn: bool, props: DeviceProperties,
+                 tuning: GemmTuning = TUNING) -> tuple | None:
+    """(estimate us, BM, BN, 1) of the cheapest single wave of unsplit tiles that busies `full_grid` of the SMs:
+    row_tile(M) rows, or 64 (M above split_bm64_max_m, where the split search has no 64-row tiles). None when no
+    width gives such a wave. A split pick gives way to it within `close` of its estimate: the split-K epilogue
+    (partials, count, finish) costs more than the model's partial_bytes_per_s term (docs/tuning.md)."""
+    waves = []
+    for bm in {row_tile(m)} | ({64} if m > tuning.split_bm64_max_m else set()):
+        for bn in _bn_candidates(n):
+            tiles = -(-m // bm) * -(-n // bn)
+            if (tuning.full_grid * props.sm_count <= tiles <= props.sm_count and _bn_fits(bm, bn, 1, tuning)
+                    and max_stages(bm, bn, 2, props.smem_per_block_optin, b_kn) >= 2):
+                waves.append((split_time_us(m, n, k, bm, bn, 1, props, tuning), bm, bn, 1))
+    return min(waves) if waves else None
 
 
 def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, bm: int, bn: int, splits: int,
@@ -341,7 +361,7 @@ def variants():
         d = _defines(dt.bfloat16, out, cfg, epi, deterministic=deterministic)
         seen[tuple(sorted(d.items()))] = ("gemm.cu", "gemm_kernel", d, cfg.smem)
 
-    rows_192 = [(192, 7168, 8192), (192, 7168, 2048), (384, 7168, 8192)]  # 192-row tiles: split, unsplit, pairs
+    rows_192 = [(192, 512, 16384), (192, 7168, 2048), (384, 7168, 8192)]  # 192-row tiles: split, unsplit, pairs
     ragged = [(777, 1000, 4096)]  # M and N not multiples of the tile: edge maps
     decode = [(16, 1280, 4096)]   # the decode kernel (no benchmark shape picks it)
     for shapes in list(BENCH_SHAPES.values()) + [rows_192, ragged, decode]:
