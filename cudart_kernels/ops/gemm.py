@@ -274,8 +274,8 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
                                           and max_stages(bm, b, epi_plain, budget, b_kn) >= 2], props)
     if split_k is None and not unsplit_fills(m, n, bm, bn0, props, t) and k_blocks >= 2 * t.min_kblocks_per_split:
         est, bm, bn, splits = choose_split(split_candidates(m, n, k, bm, bn0, b_kn, props, t), m, n, props, t)
-        wave = unsplit_wave(m, n, k, b_kn, props, t)
-        if splits > 1 and wave is not None and wave[0] <= t.close * est:
+        wave = unsplit_wave(m, n, k, b_kn, props, t) if splits > 1 else None
+        if wave is not None and wave[0] <= t.close * est:
             _, bm, bn, splits = wave
     elif splits > 1:  # forced count: fewest waves of units, then the larger tile
         fits = [b for b in _bn_candidates(n)
