@@ -44,6 +44,7 @@ from dataclasses import replace  # noqa: E402
 
 from cudart_kernels.ops import gemm as g  # noqa: E402
 from cudart_kernels.ops import gemm_fp8 as f  # noqa: E402
+from cudart_kernels.runtime.driver import device_properties  # noqa: E402
 from cudart_kernels.runtime.plans import PLANS  # noqa: E402
 
 
@@ -64,6 +65,14 @@ for kw in ({}, {"split_k": 4}):
     d = ck.gemm(a_100, b, out_dtype="float32", tuning=t, **kw)
     assert np.abs(d.numpy() - ref[:100]).max() < 1e-2 * np.abs(ref[:100]).max(), kw
 assert all(p.cfg.stream_b for p in plans_under("gemm", t))
+# One wave of unsplit 64-row tiles above M = 128 (unsplit_wave), tails in M, N and K
+a_w = DeviceArray.from_numpy(rng.standard_normal((290, 2056)).astype(ck.bfloat16.numpy))
+b_w = DeviceArray.from_numpy(rng.standard_normal((2600, 2056)).astype(ck.bfloat16.numpy))
+d = ck.gemm(a_w, b_w, out_dtype="float32")
+ref_w = a_w.numpy().astype(np.float64) @ b_w.numpy().astype(np.float64).T
+assert np.abs(d.numpy() - ref_w).max() < 1e-2 * np.abs(ref_w).max()
+cfg_w = g.pick_config(290, 2600, 2056, 4, device_properties(0))
+assert (cfg_w.bm, cfg_w.splits) == (64, 1), cfg_w
 print("gemm sanitize cases ran")
 
 # 2-CTA clusters with multicast (forced on both sides; odd tile rows leave a spare tile), plain and split-K.
