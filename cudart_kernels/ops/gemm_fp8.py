@@ -61,7 +61,10 @@ class Fp8Tuning(sm90.Sm90Tuning):
     # Split-K in two where it cuts each CTA's fill to split_gain or less, K >= split_min_k, and B is at most
     # split_max_b_bytes (split_wide_max_b_bytes where the unsplit tiles are split_wide_bn or more columns wide and
     # busy half the SMs); one row of tiles at least unsplit_min_bn wide that busies unsplit_fill of the SMs (and
-    # M >= unsplit_min_m) does not split.
+    # M >= unsplit_min_m) does not split, except a row of 64-row tiles narrower than split_wide_bn on a part whose
+    # copy rate gives each SM more than unsplit_max_sm_stream bytes/s: there B no longer streams at DRAM speed
+    # either way, and the split's smaller fill per CTA wins (H200, 32 GB/s an SM: 64 x 32 -> 64 x 64 split in two
+    # 0.83-0.99x the time, but 64 x 48 -> 64 x 80 1.03-1.09x; on the H100, 22.7 GB/s an SM, the split lost).
     split_gain: float = 0.67
     split_max_b_bytes: int = 64 << 20
     split_wide_max_b_bytes: int = 32 << 20
@@ -70,6 +73,7 @@ class Fp8Tuning(sm90.Sm90Tuning):
     unsplit_min_m: int = 8
     unsplit_min_bn: int = 32
     split_min_k: int = 4096
+    unsplit_max_sm_stream: float = 27e9
     force_tile: tuple | None = None  # tests: (BM, BN) for every GEMM (the heuristic picks the rest)
     force_splits: int | None = None  # tests, with force_tile: split-K over clusters of this many CTAs
 
@@ -195,8 +199,9 @@ def _split_in_two(m: int, n: int, k: int, unsplit: tuple, props: DevicePropertie
 def _small_m(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties, tuning: Fp8Tuning) -> tuple:
     """For one row of BM x BN tiles (M <= 128, memory-bound): (BM, BN, splits). For BM = 128, 64-row tiles when
     they cut the fill per CTA to narrow_rows_gain or less; then a 2-way split-K (`_split_in_two`) unless one row
-    of tiles already busies unsplit_fill of the SMs; else, for M > 64, a row of 128 x BN tiles becomes two rows of
-    64 x 2BN (up to narrow_pair_max_bn), which pick_config pairs."""
+    of tiles already busies unsplit_fill of the SMs (where the device's copy rate per SM is at most
+    unsplit_max_sm_stream, or the tiles are 128 rows or split_wide_bn wide); else, for M > 64, a row of 128 x BN
+    tiles becomes two rows of 64 x 2BN (up to narrow_pair_max_bn), which pick_config pairs."""
     t = tuning
     best = (bm, bn)
     if bm == 128:
@@ -204,7 +209,9 @@ def _small_m(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties, 
         if _fill(m, n, k, 64, narrow, 1, props) <= t.narrow_rows_gain * _fill(m, n, k, 128, bn, 1, props):
             best = (64, narrow)
     fills = (t.unsplit_min_m <= m <= best[0] and best[1] >= t.unsplit_min_bn
-             and -(-n // best[1]) >= t.unsplit_fill * props.sm_count)
+             and -(-n // best[1]) >= t.unsplit_fill * props.sm_count
+             and (best[0] == 128 or best[1] >= t.split_wide_bn
+                  or props.stream_bytes_per_s <= t.unsplit_max_sm_stream * props.sm_count))
     # (one row of tiles that fills the SMs does not split: two rows of 64 at 96x2112x16384 split ran 1.22x slower)
     split = None if fills else _split_in_two(m, n, k, best, props, t)
     if split:
@@ -376,13 +383,13 @@ def _bench_configs(props):
 
 
 def variants():
-    """Every kernel variant the heuristic picks for the benchmark shapes, and for two M that are not multiples of
-    the tile (the edge maps' shapes; their picks differ from the bench's)."""
-    from ..runtime.driver import H100
+    """Every kernel variant the heuristic picks for the benchmark shapes on an H100 and an H200, and for two M that
+    are not multiples of the tile (the edge maps' shapes; their picks differ from the bench's)."""
+    from ..runtime.driver import H100, H200
 
     seen = {}
     ragged = [pick_config(m, 4096, 7168, H100) for m in (160, 1000)]
-    for cfg in list(_bench_configs(H100)) + ragged:
+    for cfg in list(_bench_configs(H100)) + list(_bench_configs(H200)) + ragged:
         d = _defines(cfg)
         seen[tuple(sorted(d.items()))] = ("gemm_fp8.cu", "gemm_fp8_kernel", d, cfg.smem)
     return list(seen.values()) + [("fp8_scales.cu", "scales_to_mmajor", {}, 0), ("fill.cu", "fill_i32", {}, 0),
