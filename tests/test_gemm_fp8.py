@@ -114,6 +114,13 @@ def test_config_choices():
     assert tile_and_splits(f.pick_config(64, 5120, 4096, H200)) == (64, 48, 1)
     assert tile_and_splits(f.pick_config(128, 7168, 4096, H200)) == (64, 128, 1)
     assert tile_and_splits(f.pick_config(4, 4096, 7168, H200)) == (64, 64, 2)
+    # ... and past the B limits (B at DRAM speed either way is the H100's reason): 64x4096x65536 0.723x the time,
+    # 2x2048x65536 (64 x 16 unsplit) 0.662x, 64x3072x32768 0.728x
+    assert tile_and_splits(f.pick_config(64, 4096, 65536, H100)) == (64, 32, 1)
+    assert tile_and_splits(f.pick_config(64, 4096, 65536, H200)) == (64, 64, 2)
+    assert tile_and_splits(f.pick_config(2, 2048, 65536, H200)) == (64, 32, 2)
+    assert tile_and_splits(f.pick_config(64, 3072, 32768, H200)) == (64, 48, 2)
+    assert f.pick_config(64, 7168, 16384, H200).splits == 1  # (64 x 64 unsplit: as wide as split_wide_bn)
     # B of 32-64 MB splits where the unsplit tiles are narrower than 48 columns (16x3072x16384: 64 x 32 x 96
     # tiles, 23.6 us -> 64 x 48 x 2, 21.1) or leave half the SMs idle (136x2112x16384: 37.2 -> 22.2), not
     # otherwise (32x4864x9728: 64 x 48 unsplit 19.8, split 21.4)

@@ -62,9 +62,10 @@ class Fp8Tuning(sm90.Sm90Tuning):
     # split_max_b_bytes (split_wide_max_b_bytes where the unsplit tiles are split_wide_bn or more columns wide and
     # busy half the SMs); one row of tiles at least unsplit_min_bn wide that busies unsplit_fill of the SMs (and
     # M >= unsplit_min_m) does not split, except a row of 64-row tiles narrower than split_wide_bn on a part whose
-    # copy rate gives each SM more than unsplit_max_sm_stream bytes/s: there B no longer streams at DRAM speed
-    # either way, and the split's smaller fill per CTA wins (H200, 32 GB/s an SM: 64 x 32 -> 64 x 64 split in two
-    # 0.83-0.99x the time, but 64 x 48 -> 64 x 80 1.03-1.09x; on the H100, 22.7 GB/s an SM, the split lost).
+    # copy rate gives each SM more than unsplit_max_sm_stream bytes/s, which splits whatever B's size: there B no
+    # longer streams at DRAM speed either way, and the split's smaller fill per CTA wins (H200, 32 GB/s an SM: 64 x
+    # 32 -> 64 x 64 split in two 0.66-0.99x the time, but 64 x 48 -> 64 x 80 1.03-1.09x; on the H100, 22.7 GB/s an
+    # SM, the split lost).
     split_gain: float = 0.67
     split_max_b_bytes: int = 64 << 20
     split_wide_max_b_bytes: int = 32 << 20
@@ -175,13 +176,13 @@ def _fill(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: DevicePr
 
 
 def _split_in_two(m: int, n: int, k: int, unsplit: tuple, props: DeviceProperties, tuning: Fp8Tuning,
-                  idle: bool = False) -> tuple | None:
+                  idle: bool = False, any_b: bool = False) -> tuple | None:
     """(BM, BN) of a 2-way split-K with one wave of (tile, split) units and the least fill per CTA, when it cuts
     the fill of the `unsplit` (BM, BN) tiles by split_gain, K is at least split_min_k and B within the limits
-    (`idle`: the unsplit tiles leave half the SMs idle); else None."""
+    (`idle`: the unsplit tiles leave half the SMs idle; `any_b`: no limit); else None."""
     t = tuning
     wide = unsplit[1] >= t.split_wide_bn and not idle
-    if n * k > (t.split_wide_max_b_bytes if wide else t.split_max_b_bytes) or k < t.split_min_k:
+    if k < t.split_min_k or not any_b and n * k > (t.split_wide_max_b_bytes if wide else t.split_max_b_bytes):
         return None
     split = []  # per tile height, the narrowest width with one wave of (tile, split) units
     for rows in (64, 128) if m > 64 else (64,):
@@ -199,21 +200,24 @@ def _split_in_two(m: int, n: int, k: int, unsplit: tuple, props: DevicePropertie
 def _small_m(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties, tuning: Fp8Tuning) -> tuple:
     """For one row of BM x BN tiles (M <= 128, memory-bound): (BM, BN, splits). For BM = 128, 64-row tiles when
     they cut the fill per CTA to narrow_rows_gain or less; then a 2-way split-K (`_split_in_two`) unless one row
-    of tiles already busies unsplit_fill of the SMs (where the device's copy rate per SM is at most
-    unsplit_max_sm_stream, or the tiles are 128 rows or split_wide_bn wide); else, for M > 64, a row of 128 x BN
-    tiles becomes two rows of 64 x 2BN (up to narrow_pair_max_bn), which pick_config pairs."""
+    of tiles already busies unsplit_fill of the SMs (`under_dram`: not for a row of 64-row tiles narrower than
+    split_wide_bn on a part with more than unsplit_max_sm_stream of copy rate per SM, which splits whatever B's
+    size); else, for M > 64, a row of 128 x BN tiles becomes two rows of 64 x 2BN (up to narrow_pair_max_bn), which
+    pick_config pairs."""
     t = tuning
     best = (bm, bn)
     if bm == 128:
         narrow = min(range(16, t.narrow_rows_max_bn + 1, 16), key=lambda b: (_fill(m, n, k, 64, b, 1, props), -b))
         if _fill(m, n, k, 64, narrow, 1, props) <= t.narrow_rows_gain * _fill(m, n, k, 128, bn, 1, props):
             best = (64, narrow)
-    fills = (t.unsplit_min_m <= m <= best[0] and best[1] >= t.unsplit_min_bn
-             and -(-n // best[1]) >= t.unsplit_fill * props.sm_count
-             and (best[0] == 128 or best[1] >= t.split_wide_bn
-                  or props.stream_bytes_per_s <= t.unsplit_max_sm_stream * props.sm_count))
+    # Such a row streams B at DRAM speed only where each SM's share of the copy rate is small (H100); on a faster
+    # part (H200) it runs under it, and the split's smaller fill per CTA wins (docs/tuning.md).
+    under_dram = (best[0] == 64 and best[1] < t.split_wide_bn
+                  and props.stream_bytes_per_s > t.unsplit_max_sm_stream * props.sm_count)
+    fills = (not under_dram and t.unsplit_min_m <= m <= best[0] and best[1] >= t.unsplit_min_bn
+             and -(-n // best[1]) >= t.unsplit_fill * props.sm_count)
     # (one row of tiles that fills the SMs does not split: two rows of 64 at 96x2112x16384 split ran 1.22x slower)
-    split = None if fills else _split_in_two(m, n, k, best, props, t)
+    split = None if fills else _split_in_two(m, n, k, best, props, t, any_b=under_dram)
     if split:
         return split + (2,)
     # One row of 128 x BN tiles, M > 64: as many pairs of 64 x 2BN tiles along M (pick_config pairs them), each
