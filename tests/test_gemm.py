@@ -110,6 +110,8 @@ def test_one_wave_of_unsplit_tiles_beats_a_close_split():
         for m, n, k in ((512, 512, 65536), (1024, 1024, 65536), (256, 256, 32768), (128, 2048, 28672)):
             assert g.pick_config(m, n, k, 2, p).splits > 1
         assert g.unsplit_wave(512, 512, 65536, False, p)[0] > 2 * g.split_time_us(512, 512, 65536, 128, 256, 16, p)
+        # (the CUDA graph tests' split-K shape: its scratch must come from inside the capture on either part)
+        assert g.pick_config(200, 2048, 8192, 2, p).splits > 1 and g.pick_config(200, 2048, 8192, 4, p).splits > 1
 
 
 def test_picks_take_the_device_figures(monkeypatch):

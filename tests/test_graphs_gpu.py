@@ -40,7 +40,7 @@ def _bf16(torch, *shape):
     return (torch.randn(*shape, device="cuda") * 0.5).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("shape,split_k", [((200, 4096, 4096), None), ((256, 1024, 8192), None),
+@pytest.mark.parametrize("shape,split_k", [((200, 2048, 8192), None), ((256, 1024, 8192), None),
                                           ((16, 1280, 4096), None), ((130, 264, 2000), 5)],
                          ids=["split-k-pairs", "split-k", "decode", "forced-split"])
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -218,7 +218,7 @@ def test_quantize():
 def test_graph_beside_eager_work_on_other_streams():
     """A replay and eager calls of the same split-K shape on two streams at once: each has its own scratch."""
     torch = _torch()
-    m, n, k = 200, 4096, 4096
+    m, n, k = 200, 2048, 8192
     a, b = _bf16(torch, m, k), _bf16(torch, n, k)
     d_graph = torch.empty(m, n, device="cuda", dtype=torch.float32)
     g = _capture_and_replay(torch, lambda s: ck.gemm(a, b, out=d_graph, stream=s), lambda: None, lambda: None,
@@ -239,7 +239,7 @@ def test_graph_beside_eager_work_on_other_streams():
 
 def test_failed_capture_leaves_the_library_usable():
     torch = _torch()
-    m, n, k = 200, 4096, 4096
+    m, n, k = 200, 2048, 8192
     a, b = _bf16(torch, m, k), _bf16(torch, n, k)
     da, db = ck.as_array(a), ck.as_array(b)  # DeviceArrays: their results are ours (torch's would be capture-safe)
     g = torch.cuda.CUDAGraph()
@@ -262,7 +262,7 @@ def test_failed_capture_leaves_the_library_usable():
 
 def test_cupy_graph_capture():
     cp = pytest.importorskip("cupy")
-    m, n, k = 200, 4096, 4096
+    m, n, k = 200, 2048, 8192
     rng = np.random.default_rng()
     a = cp.asarray((rng.standard_normal((m, k)) * 0.5).astype(np.float16))  # (cupy has no bfloat16)
     b = cp.asarray((rng.standard_normal((n, k)) * 0.5).astype(np.float16))
@@ -297,7 +297,7 @@ def test_graph_scratch_is_the_graphs_own_and_freed_with_it():
     from cudart_kernels.runtime.driver import check
     from cudart_kernels.runtime.scratch import SCRATCH
 
-    m, n, k = 200, 4096, 4096
+    m, n, k = 200, 2048, 8192
     rng = np.random.default_rng()
     a_host = (rng.standard_normal((m, k)) * 0.5).astype(np.float16)
     b_host = (rng.standard_normal((n, k)) * 0.5).astype(np.float16)

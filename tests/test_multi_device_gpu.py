@@ -333,7 +333,7 @@ def test_graph_capture_on_device_1():
     torch = _torch()
     _make_current(torch, 0)
     dev, cuda = 1, "cuda:1"
-    m, n, k = 200, 4096, 4096
+    m, n, k = 200, 2048, 8192
     a, b = _bf16(torch, dev, m, k), _bf16(torch, dev, n, k)
     x = _bf16(torch, dev, m, k)
     wq, ws = _fp8_pair(torch, dev, n, k, per_block=True)
