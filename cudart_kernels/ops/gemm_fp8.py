@@ -210,8 +210,7 @@ def _small_m(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties, 
         narrow = min(range(16, t.narrow_rows_max_bn + 1, 16), key=lambda b: (_fill(m, n, k, 64, b, 1, props), -b))
         if _fill(m, n, k, 64, narrow, 1, props) <= t.narrow_rows_gain * _fill(m, n, k, 128, bn, 1, props):
             best = (64, narrow)
-    # Such a row streams B at DRAM speed only where each SM's share of the copy rate is small (H100); on a faster
-    # part (H200) it runs under it, and the split's smaller fill per CTA wins (docs/tuning.md).
+    # (a row that runs under the DRAM rate: Fp8Tuning's comment on unsplit_max_sm_stream)
     under_dram = (best[0] == 64 and best[1] < t.split_wide_bn
                   and props.stream_bytes_per_s > t.unsplit_max_sm_stream * props.sm_count)
     fills = (not under_dram and t.unsplit_min_m <= m <= best[0] and best[1] >= t.unsplit_min_bn
