@@ -114,6 +114,33 @@ def test_one_wave_of_unsplit_tiles_beats_a_close_split():
         assert g.pick_config(200, 2048, 8192, 2, p).splits > 1 and g.pick_config(200, 2048, 8192, 4, p).splits > 1
 
 
+def test_one_wave_competes_with_every_pick_and_pairs_only_with_few_readers():
+    # Measured on an H200 (2026-11-28, same-run A/B against the rules before): the wave also replaces an unsplit
+    # pick (1024x1024x2048: 128 x 64 paired 9.5 us -> 64 x 128 8.5) and, with split_fixed_us, short-K splits
+    # (32x2048x512: 64 x 32 x 2 4.6 us -> 64 x 16 3.2); it pairs along M only up to wave_pair_max_rows rows of
+    # tiles (1024x1024x4096 64 x 128: 18.2 us paired, 16.2 not; 256x7168x8192 64 x 224, 4 rows: 48.4 paired,
+    # 51.7 not) and along N up to wave_pair_max_cols columns (1792x512x1536 128 x 64, 8 columns: 8.0 / 8.7)
+    t = g.TUNING
+    for p in (H100, H200):
+        for (m, n, k), want in (((1024, 1024, 2048), (64, 128, 1, g.MCAST_NONE)),
+                                ((32, 2048, 512), (64, 16, 1, g.MCAST_NONE)),
+                                ((1024, 1024, 4096), (64, 128, 1, g.MCAST_NONE)),
+                                ((256, 7168, 8192), (64, 224, 1, g.MCAST_SHARE_B)),
+                                ((1792, 512, 1536), (128, 64, 1, g.MCAST_SHARE_A))):
+            cfg = g.pick_config(m, n, k, 2, p)
+            assert (cfg.bm, cfg.bn, cfg.splits, cfg.mcast) == want, (m, n, k)
+        # the split-vs-split choices do not see split_fixed_us (every split pays it): M <= 64 keeps its splits
+        assert g.pick_config(16, 2560, 16384, 2, p).splits > 1
+        assert g.pick_config(64, 2112, 16384, 2, p).splits > 1
+        # without the limits the same waves pair (pick_multicast's rule alone)
+        free = replace(t, wave_pair_max_rows=64, wave_pair_max_cols=64)
+        assert g.pick_config(1024, 1024, 4096, 2, p, tuning=free).mcast == g.MCAST_SHARE_B
+        for m, n, k in ((4096, 1024, 4096), (2048, 2048, 32768)):  # 32 and 16 rows of tiles: no pairs
+            assert g.pick_config(m, n, k, 2, p).mcast == g.MCAST_NONE
+        # more than one wave of tiles keeps its pairs
+        assert g.pick_config(8192, 8192, 8192, 2, p).mcast == g.MCAST_SHARE_B
+
+
 def test_picks_take_the_device_figures(monkeypatch):
     # An H200 has the H100's SMs and shared memory: the compute-bound picks are the same; the split model's byte
     # floor follows the device's copy rate (256x256x65536 in 128 x 128 x 32 units: bound by the operand bytes)

@@ -46,9 +46,17 @@ class GemmTuning(sm90.Sm90Tuning):
     dram_latency_us: float = 4.0        # a stage's load under load when B streams from DRAM once (M <= BM)
     partial_bytes_per_s: float = 2e12   # fp32 partials reduce-added in L2
     finish_us_per_32_cols: float = 0.17  # the last split's finalisation, per 32 columns of a 64-row slice
+    # What else a split-K call costs (turnstile, count, the finish's wait), charged only where a split pick meets
+    # the one-wave unsplit alternative (`unsplit_wave`): every split candidate pays it alike.
+    split_fixed_us: float = 2.0
     full_grid: float = 0.9              # a grid of units this share of the SMs counts as full
     close: float = 1.05                 # estimates this close to the best: widest tile, then most units
     paired_factor: float = 0.95         # split candidates that pair tiles count at this share of their estimate
+    # One wave of unsplit tiles pairs only where the shared operand's tile has few readers: along M (sharing B) up
+    # to this many rows of tiles, along N (sharing A) up to this many columns. With more, that tile is read from
+    # L2 by many CTAs anyway, and the pair's lockstep costs more than the halved reads save.
+    wave_pair_max_rows: int = 4
+    wave_pair_max_cols: int = 8
     split_bm64_max_m: int = 128         # split-K up to this M searches 64-row tiles
     bm192_max_bn: int = 192             # three consumers get 152 registers each
     bm192_split_max_bn: int = 160
@@ -259,8 +267,8 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     and 321..384, else 128 (`row_tile`; split-K searches 64-row tiles up to split_bm64_max_m); BN runs over
     multiples of 16 up to 256 (192 for 192-row tiles) and N rounded up to 8 when N is small; fewer waves win, then
     a fuller last wave, then the larger tile. When the tiles do not fill the GPU, (BN, splits) pairs are compared
-    with a throughput model (`split_time_us`), and a split pick gives way to one wave of unsplit tiles that the
-    model puts within `close` of it (`unsplit_wave`). `split_k` forces the count. Stages fill the smem budget.
+    with a throughput model (`split_time_us`), and the pick gives way to one wave of unsplit tiles that the model
+    puts within `close` of it (`unsplit_wave`). `split_k` forces the count. Stages fill the smem budget.
     """
     t = tuning
     if t.force_config is not None:
@@ -274,8 +282,8 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
                                           and max_stages(bm, b, epi_plain, budget, b_kn) >= 2], props)
     if split_k is None and not unsplit_fills(m, n, bm, bn0, props, t) and k_blocks >= 2 * t.min_kblocks_per_split:
         est, bm, bn, splits = choose_split(split_candidates(m, n, k, bm, bn0, b_kn, props, t), m, n, props, t)
-        wave = unsplit_wave(m, n, k, b_kn, props, t) if splits > 1 else None
-        if wave is not None and wave[0] <= t.close * est:
+        wave = unsplit_wave(m, n, k, b_kn, props, t)
+        if wave is not None and wave[0] <= t.close * (est + (t.split_fixed_us if splits > 1 else 0.0)):
             _, bm, bn, splits = wave
     elif splits > 1:  # forced count: fewest waves of units, then the larger tile
         fits = [b for b in _bn_candidates(n)
@@ -299,8 +307,8 @@ def unsplit_wave(m: int, n: int, k: int, b_kn: bool, props: DeviceProperties,
                  tuning: GemmTuning = TUNING) -> tuple | None:
     """(estimate us, BM, BN, 1) of the cheapest single wave of unsplit tiles that busies `full_grid` of the SMs:
     row_tile(M) rows, or 64 (M above split_bm64_max_m, where the split search has no 64-row tiles). None when no
-    width gives such a wave. A split pick gives way to it within `close` of its estimate: the split-K epilogue
-    (partials, count, finish) costs more than the model's partial_bytes_per_s term (docs/tuning.md)."""
+    width gives such a wave. The pick (split or not) gives way to it within `close` of its estimate: it busies
+    more SMs than an unsplit pick, and a split's epilogue costs more than the model has (docs/tuning.md)."""
     waves = []
     for bm in {row_tile(m)} | ({64} if m > tuning.split_bm64_max_m else set()):
         for bn in _bn_candidates(n):
@@ -317,6 +325,11 @@ def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     epi = 4 if (splits > 1 or accumulate) else out_bytes
     stages = max_stages(bm, bn, epi, props.smem_per_block_optin, b_kn)
     mcast = sm90.pick_multicast(m, n, bm, bn, splits, b_kn, props, tuning)
+    tiles_m, tiles_n = -(-m // bm), -(-n // bn)
+    if tuning.force_mcast is None and splits == 1 and tiles_m * tiles_n <= props.sm_count and (
+            (mcast == MCAST_SHARE_B and tiles_m > tuning.wave_pair_max_rows)
+            or (mcast == MCAST_SHARE_A and tiles_n > tuning.wave_pair_max_cols)):
+        mcast = MCAST_NONE  # one wave of unsplit tiles (wave_pair_max_rows / _cols)
     return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn), mcast,
                       sm90.group_rows(m, n, bm, bn, mcast, props), sm90.streams_b(m, k, 2, tuning) and not b_kn,
                       tuning.pdl and tuning.warm_l2)
