@@ -158,8 +158,11 @@ def test_picks_take_the_device_figures(monkeypatch):
 
 
 def test_multicast_and_tile_order():
-    def P(*args):
-        return sm90.pick_multicast(*args, g.TUNING)
+    # (the sides and the waves, without the one-wave reader limits, which the last lines check)
+    free = replace(g.TUNING, wave_pair_max_rows=1 << 20, wave_pair_max_cols=1 << 20)
+
+    def P(*args, tuning=free):
+        return sm90.pick_multicast(*args, tuning)
     assert P(8192, 8192, 128, 256, 1, False, H100) == g.MCAST_SHARE_B
     assert P(8192, 8192, 128, 256, 1, True, H100) == g.MCAST_SHARE_A  # B as [K, N] is never shared
     assert P(64, 8192, 64, 256, 1, False, H100) == g.MCAST_NONE       # one tile row, BM 64 cannot halve A
@@ -168,6 +171,16 @@ def test_multicast_and_tile_order():
     assert P(384, 44 * 128, 128, 128, 1, False, H100) == g.MCAST_SHARE_A
     assert P(384, 43 * 128, 128, 128, 1, False, H100) == g.MCAST_SHARE_A  # 3 x 43 -> 3 x 44: still one wave
     assert P(128, 8192, 128, 128, 1, False, H100) == g.MCAST_SHARE_A   # one tile row: only N pairs
+    # One wave of unsplit tiles: pairs only where the shared tile has few readers (wave_pair_max_rows / _cols);
+    # split units and more than a wave keep them
+    t = g.TUNING
+    assert P(512, 4096, 128, 128, 1, False, H100, tuning=t) == g.MCAST_SHARE_B    # 4 rows read each B tile
+    assert P(1024, 2048, 128, 128, 1, False, H100, tuning=t) == g.MCAST_NONE      # 8 rows
+    assert P(1024, 1024, 128, 128, 1, False, H100, tuning=t) == g.MCAST_NONE      # 8 rows (64 tiles)
+    assert P(1024, 1024, 128, 128, 2, False, H100, tuning=t) == g.MCAST_SHARE_B   # split: 128 units, pairs
+    assert P(1792, 512, 128, 64, 1, False, H100, tuning=t) == g.MCAST_SHARE_A     # 8 columns read each A tile
+    assert P(128, 8192, 128, 128, 1, False, H100, tuning=t) == g.MCAST_NONE       # 64 columns
+    assert P(8192, 8192, 128, 256, 1, False, H100, tuning=t) == g.MCAST_SHARE_B   # many waves
     # one wave or less: M fastest over all rows
     assert sm90.group_rows(1024, 1024, 128, 256, g.MCAST_SHARE_B, H100) == 4
     assert sm90.group_rows(8192, 8192, 128, 128, g.MCAST_NONE, H100) == 11

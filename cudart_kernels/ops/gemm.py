@@ -52,11 +52,6 @@ class GemmTuning(sm90.Sm90Tuning):
     full_grid: float = 0.9              # a grid of units this share of the SMs counts as full
     close: float = 1.05                 # estimates this close to the best: widest tile, then most units
     paired_factor: float = 0.95         # split candidates that pair tiles count at this share of their estimate
-    # One wave of unsplit tiles pairs only where the shared operand's tile has few readers: along M (sharing B) up
-    # to this many rows of tiles, along N (sharing A) up to this many columns. With more, that tile is read from
-    # L2 by many CTAs anyway, and the pair's lockstep costs more than the halved reads save.
-    wave_pair_max_rows: int = 4
-    wave_pair_max_cols: int = 8
     split_bm64_max_m: int = 128         # split-K up to this M searches 64-row tiles
     bm192_max_bn: int = 192             # three consumers get 152 registers each
     bm192_split_max_bn: int = 160
@@ -325,11 +320,6 @@ def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     epi = 4 if (splits > 1 or accumulate) else out_bytes
     stages = max_stages(bm, bn, epi, props.smem_per_block_optin, b_kn)
     mcast = sm90.pick_multicast(m, n, bm, bn, splits, b_kn, props, tuning)
-    tiles_m, tiles_n = -(-m // bm), -(-n // bn)
-    if tuning.force_mcast is None and splits == 1 and tiles_m * tiles_n <= props.sm_count and (
-            (mcast == MCAST_SHARE_B and tiles_m > tuning.wave_pair_max_rows)
-            or (mcast == MCAST_SHARE_A and tiles_n > tuning.wave_pair_max_cols)):
-        mcast = MCAST_NONE  # one wave of unsplit tiles (wave_pair_max_rows / _cols)
     return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn), mcast,
                       sm90.group_rows(m, n, bm, bn, mcast, props), sm90.streams_b(m, k, 2, tuning) and not b_kn,
                       tuning.pdl and tuning.warm_l2)

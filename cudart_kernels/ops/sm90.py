@@ -19,6 +19,11 @@ class Sm90Tuning:
     """Fields every SM90 GEMM-like op shares (docs/tuning.md). Ops subclass it with their own constants; a tuning
     object is part of every plan key, so a call with another one gets its own plans."""
     multicast: bool = True   # let the heuristic pair CTAs in 2-CTA clusters
+    # One wave of unsplit tiles pairs only where the shared operand's tile has few readers: along M (sharing B) up
+    # to wave_pair_max_rows rows of tiles, along N (sharing A) up to wave_pair_max_cols columns. With more, that
+    # tile is read from L2 by many CTAs anyway, and the pair's lockstep costs more than the halved reads save.
+    wave_pair_max_rows: int = 4
+    wave_pair_max_cols: int = 8
     pdl: bool = True         # programmatic dependent launch: set-up overlaps the previous kernel's tail
     warm_l2: bool = True     # with pdl: B's first load prefetched into L2 before the wait for the previous kernel
     # B loaded with an evict-first L2 policy where M <= stream_b_max_m (each B tile read by one CTA, or by CTAs
@@ -107,7 +112,8 @@ def cluster_tiles(m: int, n: int, bm: int, bn: int, mcast: int) -> tuple[int, in
 def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, props: DeviceProperties,
                    tuning: Sm90Tuning, share_b: bool = True) -> int:
     """Pair tiles in 2-CTA clusters when it adds no wave: along M sharing B (halves the B reads), or along N
-    sharing A; the side whose half-tile saves more bytes wins. Each half must be whole 8-row swizzle atoms, and B
+    sharing A; the side whose half-tile saves more bytes wins; one wave of unsplit tiles only where the shared tile
+    has few readers (wave_pair_max_rows / _cols). Each half must be whole 8-row swizzle atoms, and B
     as [K, N] is never shared (it comes in panels), nor, with `share_b` False, at all. `tuning.force_mcast`
     pairs on its side wherever that is legal."""
     legal_b = share_b and not b_kn and bn % 16 == 0
@@ -128,6 +134,10 @@ def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, pr
         best, saved = MCAST_SHARE_B, bn
     if bm % 128 == 0 and tiles_n >= 2 and waves(MCAST_SHARE_A) <= waves(MCAST_NONE) and bm > saved:
         best = MCAST_SHARE_A
+    if splits == 1 and tiles_m * tiles_n <= props.sm_count and (  # one wave of unsplit tiles
+            (best == MCAST_SHARE_B and tiles_m > tuning.wave_pair_max_rows)
+            or (best == MCAST_SHARE_A and tiles_n > tuning.wave_pair_max_cols)):
+        return MCAST_NONE
     return best
 
 
