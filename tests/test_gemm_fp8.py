@@ -265,7 +265,8 @@ SHAPES = [(1, 16, 16), (3, 24, 48), (17, 136, 208), (64, 256, 128), (65, 264, 10
           (100, 4000, 3088), (72, 3600, 1040),  # two rows of 64 x 64 tiles paired along M (the second partial)
           (80, 7000, 2064), (120, 5000, 1040),  # ... of 64 x 128 and 64 x 96 (a row of 128 x 64 / 128 x 48 before)
           (297, 3000, 4112), (681, 760, 7200),  # a few rows of 128: one wave of 64 x 128 tiles (the second split)
-          (192, 4000, 3104)]  # ... of 64 x 96 (777x776x2064 above: 64 x 80)
+          (192, 4000, 3104),  # ... of 64 x 96 (777x776x2064 above: 64 x 80)
+          (240, 1000, 1040), (129, 392, 384)]  # one wave that pairs: 4 rows of 64 x 80 (B), 7 columns of 128 x 64 (A)
 
 
 
@@ -280,12 +281,14 @@ def test_gpu_shapes_take_the_paths_they_stand_for():
         for s in ((100, 7000, 4112), (40, 5200, 4112)):  # unsplit, one row busying 80% of the SMs
             c = picks[s]
             assert c.splits == 1 and -(-s[0] // c.bm) * -(-s[1] // c.bn) >= 0.8 * p.sm_count, (p.name, s)
-        for s in ((100, 4000, 3088), (72, 3600, 1040), (80, 7000, 2064), (120, 5000, 1040), (300, 1000, 1040)):
+        for s in ((100, 4000, 3088), (72, 3600, 1040), (80, 7000, 2064), (120, 5000, 1040), (240, 1000, 1040)):
             assert (picks[s].bm, picks[s].mcast) == (64, g.MCAST_SHARE_B), (p.name, s)
+        # one wave whose shared tile has many readers runs unpaired (wave_pair_max_rows / _cols)
+        assert picks[300, 1000, 1040].mcast == picks[129, 2112, 384].mcast == g.MCAST_NONE
         for s in ((297, 3000, 4112), (192, 4000, 3104), (777, 776, 2064)):  # one wave of 64-row tiles, M > 128
             assert (picks[s].bm, picks[s].splits) == (64, 1), (p.name, s)
         assert {picks[s].bm for s in ((4096, 2112, 272), (2048, 7168, 512))} == {192}
-        assert (picks[129, 2112, 384].bm, picks[129, 2112, 384].mcast) == (128, g.MCAST_SHARE_A)
+        assert (picks[129, 392, 384].bm, picks[129, 392, 384].mcast) == (128, g.MCAST_SHARE_A)
     assert tile_and_splits(f.pick_config(40, 4000, 4112, H100)) == (64, 32, 1)
     assert tile_and_splits(f.pick_config(40, 4000, 4112, H200)) == (64, 64, 2)
 
