@@ -169,3 +169,27 @@ def test_fp8_gemm_sass_uses_fp8_tensor_cores(variant):
         assert "STG.E.64" in text and "UTMASTG" not in text
     else:
         assert ("UTMAREDG" if variant[2].get("LAYOUT") == "LAYOUT_KGROUPED" else "UTMASTG") in text  # D += via TMA
+
+
+# Unpaired contiguous GEMMs reading a tile list: ptxas hoisted an __ldg of the list's count above
+# griddepcontrol.wait there (the tests force these tiles; the picks take the 192-row one).
+TILE_LIST = [("gemm_fp8.cu", "gemm_fp8_kernel", {"BM": bm, "BN": 128, "STAGES": 3, "LAYOUT": "LAYOUT_CONTIGUOUS",
+                                                  "TILE_LIST": 1}) for bm in (128, 192, 256)]
+PDL_WAITS = ALL + [("gemm_fp8", v) for v in TILE_LIST]
+
+
+@pytest.mark.parametrize("op,variant", PDL_WAITS, ids=[f"{op}-{v[1]}-{v[2]}" for op, v in PDL_WAITS])
+def test_no_global_load_before_pdl_wait(op, variant):
+    """A kernel launched with PDL starts while the previous one still runs: no global load (of ids, counts, a
+    tile list the previous kernel writes) may come before griddepcontrol.wait (ACQBULK) in its SASS."""
+    import re
+
+    from cudart_kernels.runtime.cubin import sass
+
+    text = sass(compile_kernel(variant[0], variant[1], variant[2], "sm_90a").cubin)
+    head, wait, _ = text.partition("ACQBULK")
+    assert wait or variant[2].get("LAYOUT") != "LAYOUT_CONTIGUOUS", "the contiguous GEMM waits for the list kernel"
+    if not wait:
+        return  # (no PDL wait: nothing to order the loads against)
+    early = re.findall(r"\b(?:LDG|LD|ATOMG|RED)\.[^;]*;", head)
+    assert not early, f"global memory accessed before griddepcontrol.wait: {early[:3]}"

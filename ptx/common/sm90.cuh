@@ -408,6 +408,15 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // there is none, or the launch had no PDL attribute). Before any global read or write.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
+// A read of data that the previous kernel may have written (ids, counts, offsets, a tile list): a plain load, not
+// __ldg. ptxas takes ld.global.nc for invariant and hoists it above griddepcontrol.wait: the FP8 contiguous GEMM
+// read its tile list's count at its first instruction, before the list kernel had written it (H200, 2026-11-28:
+// rows left unwritten in 2 of ~600 calls with other processes on the GPU; tests/test_compile.py checks the SASS).
+template <class T>
+__device__ __forceinline__ T ld_produced(const T* p) {
+  return *p;
+}
+
 // ---- warp specialisation -----------------------------------------------------------------------------------------
 // This thread's warpgroup, as a value ptxas knows to be warp-uniform (a shuffle from lane 0): whatever derives
 // from it (a consumer's wgmma descriptors) then lives in uniform registers, and a wgmma group issues back to back.
