@@ -205,10 +205,10 @@ struct BwdScheduler : PersistentUnits {
     }
     t.hkv = t.hq / group;
     if (VARLEN) {
-      t.q_off = ld_produced(cu_q + t.b);
-      t.k_off = ld_produced(cu_k + t.b);
-      t.sq = ld_produced(cu_q + t.b + 1) - t.q_off;
-      t.sk = ld_produced(cu_k + t.b + 1) - t.k_off;
+      t.q_off = __ldg(cu_q + t.b);
+      t.k_off = __ldg(cu_k + t.b);
+      t.sq = __ldg(cu_q + t.b + 1) - t.q_off;
+      t.sk = __ldg(cu_k + t.b + 1) - t.k_off;
       t.map_b = 0;
       t.stat0 = (t.q_off & ~3) + 2 * STAT_PAD * t.b;
     } else {

@@ -38,8 +38,8 @@ __device__ __forceinline__ RowTile row_tile(const int* cu_q, int seqlen_q) {
   t.b = blockIdx.z;
   t.row = blockIdx.x * ROWS + threadIdx.x / 4;
   if (VARLEN) {
-    const int q_off = ld_produced(cu_q + t.b);
-    t.sq = ld_produced(cu_q + t.b + 1) - q_off;
+    const int q_off = __ldg(cu_q + t.b);
+    t.sq = __ldg(cu_q + t.b + 1) - q_off;
     t.row0 = q_off;
     t.acc_row = q_off + t.row;
     t.stat = (q_off & ~3) + 2 * STAT_PAD * t.b + t.row;

@@ -44,7 +44,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) contiguous_tile_list(const
     bool whole = false;           // (first's entry)
     if (r < rows) {
       const int m0 = r * tile_m, end = min(m0 + tile_m, M), cut = (m0 / align + 1) * align;
-      const auto group = [&](int row) { const int g = ld_produced(ids + row); return g >= 0 && g < groups ? g : -1; };
+      const auto group = [&](int row) { const int g = __ldg(ids + row); return g >= 0 && g < groups ? g : -1; };
       first = group(m0);
       second = cut < end ? group(cut) : -1;
       whole = m0 + tile_m <= M && first >= 0 && group(end - 1) == first &&

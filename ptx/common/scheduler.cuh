@@ -124,28 +124,28 @@ struct GemmScheduler : PersistentUnits {
     t.skip = false;
     t.whole = true;  // (the normal layout's D ends at M, where TMA clips)
     if constexpr (ORDER == LAYOUT_CONTIGUOUS && LISTED) {  // t.tm was an entry of the list
-      const int2 e = ld_produced(list + t.tm);
+      const int2 e = __ldg(list + t.tm);
       t.tm = e.x >> 1;
       t.whole = e.x & 1;
       t.g = e.y;
       t.m0 = t.a_row = t.d_row = t.tm * TILE_M;
       t.b_row = t.g * N + t.n0;
     } else if constexpr (ORDER == LAYOUT_CONTIGUOUS) {  // each group's rows start at a multiple of TILE_M
-      t.g = ld_produced(info + min(t.m0, M - 1));
+      t.g = __ldg(info + min(t.m0, M - 1));
       t.skip = t.g < 0 || t.g >= groups;  // (-1: padding; an id past the groups alike)
       t.b_row = max(t.g, 0) * N + t.n0;
       // The tile lies in one segment (its group's rows, then padding): the group's alone when its last row is.
-      t.whole = t.m0 + TILE_M <= M && ld_produced(info + t.m0 + TILE_M - 1) == t.g;
+      t.whole = t.m0 + TILE_M <= M && __ldg(info + t.m0 + TILE_M - 1) == t.g;
     } else if constexpr (ORDER == LAYOUT_MASKED) {
-      t.rows = min(ld_produced(info + t.g), M);
+      t.rows = min(__ldg(info + t.g), M);
       // Both CTAs of a pair along M load for each other: skip only when the pair's first tile is masked out.
       t.skip = (PAIRING == 1 ? t.tm & ~1 : t.tm) * TILE_M >= t.rows;
       t.whole = t.m0 + TILE_M <= t.rows;
       t.a_row = t.d_row = t.g * M + t.m0;
       t.b_row = t.g * N + t.n0;
     } else if constexpr (ORDER == LAYOUT_KGROUPED) {
-      t.kb0 = ld_produced(info + t.g) / TILE_K;
-      t.kb1 = ld_produced(info + t.g + 1) / TILE_K;
+      t.kb0 = __ldg(info + t.g) / TILE_K;
+      t.kb1 = __ldg(info + t.g + 1) / TILE_K;
       t.skip = t.kb1 <= t.kb0;
       t.whole = t.m0 + TILE_M <= M;  // (D's next rows are the next group's)
       t.d_row = t.g * M + t.m0;
@@ -161,7 +161,7 @@ struct GemmScheduler : PersistentUnits {
   // LAYOUT_CONTIGUOUS: the group of row r (from the tile's origin), -1 past the rows.
   __device__ __forceinline__ int row_group(const GemmTile& t, int r) const {
     const int row = t.m0 + r;
-    return row < t.rows ? ld_produced(info + row) : -1;
+    return row < t.rows ? __ldg(info + row) : -1;
   }
 
   // Row r of the tile may be written.

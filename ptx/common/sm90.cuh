@@ -408,10 +408,12 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // there is none, or the launch had no PDL attribute). Before any global read or write.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
-// A read of data that the previous kernel may have written (ids, counts, offsets, a tile list): a plain load, not
-// __ldg. ptxas takes ld.global.nc for invariant and hoists it above griddepcontrol.wait: the FP8 contiguous GEMM
-// read its tile list's count at its first instruction, before the list kernel had written it (H200, 2026-11-28:
-// rows left unwritten in 2 of ~600 calls with other processes on the GPU; tests/test_compile.py checks the SASS).
+// A read, in the straight-line code right after pdl_wait, of data that the previous kernel may have written (the
+// tile list's count): a plain load, not __ldg. ptxas takes ld.global.nc for invariant and hoisted it above
+// griddepcontrol.wait to the kernel's first instructions, so under PDL the count could be read before the list
+// kernel wrote it (H200, 2026-11-28: an output left unwritten in 1 of 544 calls, 8 processes on the GPU).
+// The reads inside the tile loops stay __ldg: ptxas keeps them after the wait, which tests/test_compile.py checks
+// in every variant's SASS.
 template <class T>
 __device__ __forceinline__ T ld_produced(const T* p) {
   return *p;
