@@ -180,8 +180,9 @@ PDL_WAITS = ALL + [("gemm_fp8", v) for v in TILE_LIST]
 
 @pytest.mark.parametrize("op,variant", PDL_WAITS, ids=[f"{op}-{v[1]}-{v[2]}" for op, v in PDL_WAITS])
 def test_no_global_load_before_pdl_wait(op, variant):
-    """A kernel launched with PDL starts while the previous one still runs: no global load (of ids, counts, a
-    tile list the previous kernel writes) may come before griddepcontrol.wait (ACQBULK) in its SASS."""
+    """A kernel launched with PDL starts while the previous one still runs: no global load, store or atomic (TMA
+    included; L2 prefetches are fine) may come before griddepcontrol.wait (ACQBULK) in its SASS, e.g. a read of
+    ids, counts or a tile list that the previous kernel writes."""
     import re
 
     from cudart_kernels.runtime.cubin import sass
@@ -191,5 +192,5 @@ def test_no_global_load_before_pdl_wait(op, variant):
     assert wait or variant[2].get("LAYOUT") != "LAYOUT_CONTIGUOUS", "the contiguous GEMM waits for the list kernel"
     if not wait:
         return  # (no PDL wait: nothing to order the loads against)
-    early = re.findall(r"\b(?:LDG|LD|ATOMG|RED)\.[^;]*;", head)
+    early = re.findall(r"\b(?:LDG|LD|STG|ST|ATOMG|ATOM|RED|UTMALDG|UTMASTG|UTMAREDG|UBLKCP|UBLKRED)\b[^;]*;", head)
     assert not early, f"global memory accessed before griddepcontrol.wait: {early[:3]}"
