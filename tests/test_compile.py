@@ -1,4 +1,5 @@
 """NVRTC compiles every kernel variant the library can pick, and the compile report is clean (runs on CPU)."""
+import functools
 import time
 
 import pytest
@@ -8,6 +9,18 @@ from cudart_kernels.ops import VARIANTS
 from cudart_kernels.runtime.compiler import CompileError, CompileReport, compile_kernel
 
 ALL = [(op, v) for op in VARIANTS for v in VARIANTS[op]()]
+
+
+@functools.lru_cache(maxsize=None)
+def _sass_of(source: str, entry: str, defines: tuple) -> str:
+    from cudart_kernels.runtime.cubin import sass
+
+    return sass(compile_kernel(source, entry, dict(defines), "sm_90a").cubin)
+
+
+def variant_sass(variant) -> str:
+    """A variant's SASS, disassembled once for all the tests that read it."""
+    return _sass_of(variant[0], variant[1], tuple(sorted(variant[2].items())))
 
 
 @pytest.mark.parametrize("op,variant", ALL, ids=[f"{op}-{v[1]}-{v[2]}" for op, v in ALL])
@@ -111,9 +124,7 @@ def test_gemm_sass_uses_tensor_cores(variant):
     """The main GEMM kernel runs on wgmma (HGMMA in SASS) and touches no local memory (no LDL/STL)."""
     import re
 
-    from cudart_kernels.runtime.cubin import sass
-
-    text = sass(compile_kernel(variant[0], variant[1], variant[2], "sm_90a").cubin)
+    text = variant_sass(variant)
     bn = variant[2]["BN"]
     assert re.search(rf"HGMMA\.64x{bn}x16\.F32\.BF16", text), "no HGMMA of the configured shape"
     assert not re.search(r"\b(LDL|STL)\b", text), "local memory in SASS"
@@ -131,10 +142,8 @@ def test_decode_gemm_sass_uses_mma(variant):
     no local memory."""
     import re
 
-    from cudart_kernels.runtime.cubin import sass
-
     assert DECODE, "variants() lists a decode kernel"
-    text = sass(compile_kernel(variant[0], variant[1], variant[2], "sm_90a").cubin)
+    text = variant_sass(variant)
     assert re.search(r"HMMA\.16816\.F32\.BF16", text), "no bf16 HMMA m16n8k16"
     assert re.search(r"LDG\.E\S*\.128", text), "no 16-byte global loads"
     assert not re.search(r"\b(LDL|STL)\b", text), "local memory in SASS"
@@ -148,9 +157,7 @@ def test_fp8_gemm_sass_uses_fp8_tensor_cores(variant):
     """The FP8 GEMM runs on FP8 wgmma (QGMMA e4m3) of its configured shape, with TMA, and no local memory."""
     import re
 
-    from cudart_kernels.runtime.cubin import sass
-
-    text = sass(compile_kernel(variant[0], variant[1], variant[2], "sm_90a").cubin)
+    text = variant_sass(variant)
     bn = variant[2]["BN"]
     wgrad = variant[2].get("LAYOUT") == "LAYOUT_KGROUPED"
     # wider tiles run as two halves (A from registers), and so do 144..192 columns of up to 128 rows (halves in flight)
@@ -185,9 +192,7 @@ def test_no_global_load_before_pdl_wait(op, variant):
     ids, counts or a tile list that the previous kernel writes."""
     import re
 
-    from cudart_kernels.runtime.cubin import sass
-
-    text = sass(compile_kernel(variant[0], variant[1], variant[2], "sm_90a").cubin)
+    text = variant_sass(variant)
     head, wait, _ = text.partition("ACQBULK")
     assert wait or variant[2].get("LAYOUT") != "LAYOUT_CONTIGUOUS", "the contiguous GEMM waits for the list kernel"
     if not wait:
