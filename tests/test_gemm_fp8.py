@@ -269,7 +269,6 @@ SHAPES = [(1, 16, 16), (3, 24, 48), (17, 136, 208), (64, 256, 128), (65, 264, 10
           (240, 1000, 1040), (129, 392, 384)]  # one wave that pairs: 4 rows of 64 x 80 (B), 7 columns of 128 x 64 (A)
 
 
-
 def test_gpu_shapes_take_the_paths_they_stand_for():
     """SHAPES (the GPU correctness tests) keep exercising each kind of pick on either part: a pick rule that moves
     one of them elsewhere fails here, on the CPU, rather than leaving a path untested."""
