@@ -119,14 +119,15 @@ def test_one_wave_competes_with_every_pick_and_pairs_only_with_few_readers():
     # pick (1024x1024x2048: 128 x 64 paired 9.5 us -> 64 x 128 8.5) and, with split_fixed_us, short-K splits
     # (32x2048x512: 64 x 32 x 2 4.6 us -> 64 x 16 3.2); it pairs along M only up to wave_pair_max_rows rows of
     # tiles (1024x1024x4096 64 x 128: 18.2 us paired, 16.2 not; 256x7168x8192 64 x 224, 4 rows: 48.4 paired,
-    # 51.7 not) and along N up to wave_pair_max_cols columns (1792x512x1536 128 x 64, 8 columns: 8.0 / 8.7)
+    # 51.7 not) and along N up to wave_pair_max_cols columns (1792x512x1536 128 x 64, 8 columns: 8.0 / 8.7; since
+    # wave_fill that shape runs 64 x 128, 0.967x the time, H200; 2816x512x2048 keeps a wave of 128 x 96, 6 columns)
     t = g.TUNING
     for p in (H100, H200):
         for (m, n, k), want in (((1024, 1024, 2048), (64, 128, 1, g.MCAST_NONE)),
                                 ((32, 2048, 512), (64, 16, 1, g.MCAST_NONE)),
                                 ((1024, 1024, 4096), (64, 128, 1, g.MCAST_NONE)),
                                 ((256, 7168, 8192), (64, 224, 1, g.MCAST_SHARE_B)),
-                                ((1792, 512, 1536), (128, 64, 1, g.MCAST_SHARE_A))):
+                                ((2816, 512, 2048), (128, 96, 1, g.MCAST_SHARE_A))):
             cfg = g.pick_config(m, n, k, 2, p)
             assert (cfg.bm, cfg.bn, cfg.splits, cfg.mcast) == want, (m, n, k)
         # the split-vs-split choices do not see split_fixed_us (every split pays it): M <= 64 keeps its splits
@@ -139,6 +140,22 @@ def test_one_wave_competes_with_every_pick_and_pairs_only_with_few_readers():
             assert g.pick_config(m, n, k, 2, p).mcast == g.MCAST_NONE
         # more than one wave of tiles keeps its pairs
         assert g.pick_config(8192, 8192, 8192, 2, p).mcast == g.MCAST_SHARE_B
+
+
+def test_a_wave_short_of_full_grid_counts_where_no_width_fills_it():
+    # H200, 2026-11-28, same-run A/B: where no width of unsplit tiles busies full_grid of the SMs, a wave busying
+    # wave_fill of them competes with the pick (160x3072x2048: 192 x 48 x 2 11.0 us -> 64 x 80 in 117 tiles 7.6;
+    # 320x1024x2048: 128 x 48 x 2 8.6 -> 64 x 48 in 110 tiles 6.6); where one does, the lower-fill widths stay out
+    # (1024x512x4096: 64 x 64 in 128 tiles 12.7 us, 64 x 80 in 112 tiles 13.9)
+    full = replace(g.TUNING, wave_fill=g.TUNING.full_grid)
+    for p in (H100, H200):
+        for (m, n, k), want, before in (((160, 3072, 2048), (64, 80, 1), (192, 48, 2)),
+                                        ((320, 1024, 2048), (64, 48, 1), (128, 48, 2))):
+            cfg, old = g.pick_config(m, n, k, 2, p), g.pick_config(m, n, k, 2, p, tuning=full)
+            assert (cfg.bm, cfg.bn, cfg.splits) == want and (old.bm, old.bn, old.splits) == before, (m, n, k)
+            assert -(-m // cfg.bm) * -(-n // cfg.bn) < g.TUNING.full_grid * p.sm_count
+        cfg = g.pick_config(1024, 512, 4096, 2, p)
+        assert (cfg.bm, cfg.bn, cfg.splits) == (64, 64, 1)
 
 
 def test_picks_take_the_device_figures(monkeypatch):

@@ -50,6 +50,7 @@ class GemmTuning(sm90.Sm90Tuning):
     # the one-wave unsplit alternative (`unsplit_wave`): every split candidate pays it alike.
     split_fixed_us: float = 2.0
     full_grid: float = 0.9              # a grid of units this share of the SMs counts as full
+    wave_fill: float = 0.8              # unsplit_wave: a wave on this share competes where none reaches full_grid
     close: float = 1.05                 # estimates this close to the best: widest tile, then most units
     paired_factor: float = 0.95         # split candidates that pair tiles count at this share of their estimate
     split_bm64_max_m: int = 128         # split-K up to this M searches 64-row tiles
@@ -300,18 +301,21 @@ def unsplit_fills(m: int, n: int, bm: int, bn: int, props: DeviceProperties, tun
 
 def unsplit_wave(m: int, n: int, k: int, b_kn: bool, props: DeviceProperties,
                  tuning: GemmTuning = TUNING) -> tuple | None:
-    """(estimate us, BM, BN, 1) of the cheapest single wave of unsplit tiles that busies `full_grid` of the SMs:
-    row_tile(M) rows, or 64 (M above split_bm64_max_m, where the split search has no 64-row tiles). None when no
-    width gives such a wave. The pick (split or not) gives way to it within `close` of its estimate: it busies
-    more SMs than an unsplit pick, and a split's epilogue costs more than the model has (docs/tuning.md)."""
+    """(estimate us, BM, BN, 1) of the cheapest single wave of unsplit tiles that busies `full_grid` of the SMs, or
+    where no width does, `wave_fill` of them: row_tile(M) rows, or 64 (M above split_bm64_max_m, where the split
+    search has no 64-row tiles). None when no width gives such a wave. The pick (split or not) gives way to it
+    within `close` of its estimate: it busies more SMs than an unsplit pick, and a split's epilogue costs more than
+    the model has (docs/tuning.md)."""
     waves = []
     for bm in {row_tile(m)} | ({64} if m > tuning.split_bm64_max_m else set()):
         for bn in _bn_candidates(n):
             tiles = -(-m // bm) * -(-n // bn)
-            if (tuning.full_grid * props.sm_count <= tiles <= props.sm_count and _bn_fits(bm, bn, 1, tuning)
+            if (tuning.wave_fill * props.sm_count <= tiles <= props.sm_count and _bn_fits(bm, bn, 1, tuning)
                     and max_stages(bm, bn, 2, props.smem_per_block_optin, b_kn) >= 2):
-                waves.append((split_time_us(m, n, k, bm, bn, 1, props, tuning), bm, bn, 1))
-    return min(waves) if waves else None
+                waves.append((split_time_us(m, n, k, bm, bn, 1, props, tuning), bm, bn, 1,
+                              tiles >= tuning.full_grid * props.sm_count))
+    full = [w for w in waves if w[4]]
+    return min(full or waves)[:4] if waves else None
 
 
 def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, bm: int, bn: int, splits: int,
