@@ -357,8 +357,8 @@ BENCH_SHAPES = {
 
 
 def variants():
-    """Every kernel variant the heuristic picks for the benchmark shapes, three 192-row shapes, one M that is
-    not a multiple of the tile and one decode shape (bf16 in; bf16 and fp32 out; plain, split-K, deterministic
+    """Every kernel variant the heuristic picks for the benchmark shapes, four 192-row shapes, two whose M and N
+    are not multiples of the tile and one decode shape (bf16 in; bf16 and fp32 out; plain, split-K, deterministic
     split-K, accumulate into fp32 D)."""
     from ..runtime.driver import H100
 
@@ -368,8 +368,9 @@ def variants():
         d = _defines(dt.bfloat16, out, cfg, epi, deterministic=deterministic)
         seen[tuple(sorted(d.items()))] = ("gemm.cu", "gemm_kernel", d, cfg.smem)
 
-    rows_192 = [(192, 512, 16384), (192, 7168, 2048), (384, 7168, 8192)]  # 192-row tiles: split, unsplit, pairs
-    ragged = [(777, 1000, 4096)]  # M and N not multiples of the tile: edge maps
+    # 192 rows: 192-row tiles split, unsplit and paired; a wave of 64-row tiles in three rows
+    rows_192 = [(192, 512, 16384), (192, 14336, 2048), (384, 7168, 8192), (192, 7168, 2048)]
+    ragged = [(777, 1000, 4096), (777, 600, 8192)]  # M and N not multiples of the tile: edge maps (unsplit, split)
     decode = [(16, 1280, 4096)]   # the decode kernel (no benchmark shape picks it)
     for shapes in list(BENCH_SHAPES.values()) + [rows_192, ragged, decode]:
         for m, n, k in shapes:
