@@ -10,10 +10,10 @@
 // Tiles run in a grouped order (GROUP_M cluster tiles along M at a time, runtime argument) so that the CTAs of a
 // wave share A and B panels in L2.
 //
-// MCAST (2-CTA clusters): 1 pairs two tiles along M that share a B tile, 2 pairs two tiles along N that share
-// an A tile. Each CTA loads half of the shared tile and multicasts it to both; a stage is free again only when
-// the consumers of both CTAs released it (remote mbarrier arrivals), and before exiting the producer waits for
-// every stage to be released so that no arrival targets an exited CTA.
+// MCAST (clusters): 1 pairs two tiles along M that share a B tile, 2 pairs two tiles along N that share an A
+// tile, 3 groups four tiles along M that share a B tile. Each CTA loads its part of the shared tile and multicasts
+// it to all; a stage is free again only when the consumers of every CTA released it (remote mbarrier arrivals),
+// and before exiting the producer waits for every stage to be released so that no arrival targets an exited CTA.
 //
 // Epilogues (EPI):
 // - EPI_STORE: D = acc (+ C), through shared memory and a TMA store.
@@ -91,9 +91,10 @@ constexpr int CHUNKS = BN / CH;
 constexpr int CHUNK_ROW_BYTES = CH * EPI_BYTES;  // also the output map's swizzle span (none below 32)
 constexpr int CHUNK_BYTES = 64 * CHUNK_ROW_BYTES;
 constexpr int D_ROWS_BYTES = 2 * CHUNK_BYTES;
-constexpr int CLUSTER = MCAST ? 2 : 1;
-static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0 && !B_KN) || (MCAST == 2 && BM >= 128),
-              "multicast halves must be whole 8-row swizzle atoms");
+constexpr int CLUSTER = cluster_ctas(MCAST);
+static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0 && !B_KN) || (MCAST == 2 && BM >= 128) ||
+                  (MCAST == 3 && BN % 32 == 0 && !B_KN),
+              "multicast parts must be whole 8-row swizzle atoms");
 constexpr int ACC = BN / 2;                          // fp32 accumulators per thread for m64nBN
 constexpr int PRODUCER_REGS = 40;
 // setmaxnreg: the producer's 128 threads keep 40 registers, the consumers share the rest of the 64 K.
@@ -126,12 +127,12 @@ __device__ __forceinline__ void load_k_block(const Ring& ring, Pipe st, u8* smem
   const int b_bytes = B_KN ? min(B_PANELS, max(0, (N - n0 + 63) / 64)) * B_PANEL_BYTES
                            : rows_in_bounds(n0, BN, N) * 128;
   u64* bar = ring.acquire(st, rows_in_bounds(m0, BM, M) * 128 + b_bytes);
-  tma_load_rows<MCAST == 2>(sa, tm_a, tm_a_edge, bar, kb * BK, m0, BM, M, rank);
+  tma_load_rows<a_sharers(MCAST)>(sa, tm_a, tm_a_edge, bar, kb * BK, m0, BM, M, rank);
   if constexpr (B_KN) {
     for (int p = 0; p * B_PANEL_BYTES < b_bytes; ++p)
       tma_load_2d<STREAM_B>(sb + p * B_PANEL_BYTES, tm_b, bar, n0 + p * 64, kb * BK);
   } else {
-    tma_load_rows<MCAST == 1, STREAM_B>(sb, tm_b, tm_b_edge, bar, kb * BK, n0, BN, N, rank);
+    tma_load_rows<b_sharers(MCAST), STREAM_B>(sb, tm_b, tm_b_edge, bar, kb * BK, n0, BN, N, rank);
   }
 }
 
@@ -200,7 +201,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
         for (int p = 0; p < B_PANELS; ++p)
           if (t.n0 + p * 64 < N) tma_prefetch_2d(&tm_b, t.n0 + p * 64, t.kb0 * BK);
       } else {
-        tma_prefetch_rows<MCAST == 1>(&tm_b, &tm_b_edge, t.kb0 * BK, t.n0, BN, N, rank);
+        tma_prefetch_rows<b_sharers(MCAST)>(&tm_b, &tm_b_edge, t.kb0 * BK, t.n0, BN, N, rank);
       }
     }
   };

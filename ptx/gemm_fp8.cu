@@ -136,6 +136,7 @@ static_assert(BM != 192 || (BN <= 128 && (LAYOUT == LAYOUT_NORMAL || (LAYOUT == 
               "three consumers: m64nBN result and scratch in 152 registers; normal layout, or contiguous from a list");
 static_assert(BM != 256 || BN <= 128, "two result sets of m64nBN and one scratch set must fit 232 registers");
 static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "BN must be a multiple of 16 in 16..256");
+static_assert(MCAST <= 2, "pairs only (MCAST 1 or 2)");
 static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0) || (MCAST == 2 && BM % 64 == 0 && BM >= 128),
               "multicast halves must be whole 8-row swizzle atoms");
 static_assert(!(LAYOUT == LAYOUT_CONTIGUOUS && MCAST == 1), "tiles paired along M may belong to different groups");
@@ -521,7 +522,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
       const Scheduler s(M, N, K, 1, groups, group_m, info, rank, CLUSTER, tile_list);
       if (!s.more(s.first)) return;
       const GemmTile t = s.tile(s.first);
-      if (t.kb0 < t.kb1) tma_prefetch_rows<MCAST == 1>(&tm_b, &tm_b_edge, t.kb0 * BK, t.b_row, BN, N, rank);
+      if (t.kb0 < t.kb1) tma_prefetch_rows<b_sharers(MCAST)>(&tm_b, &tm_b_edge, t.kb0 * BK, t.b_row, BN, N, rank);
     }
   };
   kernel_prologue<(CLUSTER > 1)>(ring, (MCAST ? 2 : 1) * CONSUMERS * 4, warm, &tm_a, &tm_b, &tm_a_edge, &tm_b_edge,
@@ -540,9 +541,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
         for (int kb = t.kb0; kb < t.kb1; ++kb) {
           const int ab_rows = rows_in_bounds(t.a_row, BM, a_rows) + rows_in_bounds(t.b_row, BN, b_rows);
           u64* bar = ring.acquire(st, ab_rows * 128 + SA_STAGE + SB_BYTES);
-          tma_load_rows<MCAST == 2>(smem + st.stage * A_STAGE, &tm_a, &tm_a_edge, bar, kb * BK, t.a_row, BM, a_rows,
+          tma_load_rows<a_sharers(MCAST)>(smem + st.stage * A_STAGE, &tm_a, &tm_a_edge, bar, kb * BK, t.a_row, BM, a_rows,
                                     rank);
-          tma_load_rows<MCAST == 1, STREAM_B>(smem + SMEM_B + st.stage * B_STAGE, &tm_b, &tm_b_edge, bar, kb * BK,
+          tma_load_rows<b_sharers(MCAST), STREAM_B>(smem + SMEM_B + st.stage * B_STAGE, &tm_b, &tm_b_edge, bar, kb * BK,
                                               t.b_row, BN, b_rows, rank);
           tma_load_2d(smem + SMEM_SA + st.stage * SA_STAGE, &tm_sa, bar, t.a_row, kb);
           if (WGRAD) tma_load_2d(smem + SMEM_SB + st.stage * SB_STAGE, &tm_sb, bar, t.n0, kb);

@@ -28,9 +28,12 @@ def fake(shape, dtype, strides=None, offset=0):
 def test_config_fits_and_matches_the_kernel_layout(shape, out_bytes, split_k):
     m, n, k = shape
     cfg = g.pick_config(m, n, k, out_bytes, H100, split_k)
-    # 64-row tiles: the split search's (M <= split_bm64_max_m), or one wave of unsplit ones (unsplit_wave)
+    # 64-row tiles: the split search's (M <= split_bm64_max_m), clusters of four (quad_split), or one wave of
+    # unsplit ones (unsplit_wave)
     one_wave = cfg.splits == 1 and -(-m // 64) * -(-n // cfg.bn) <= H100.sm_count
-    assert cfg.bm == g.row_tile(m) or cfg.bm == 64 and (cfg.splits > 1 and m <= g.TUNING.split_bm64_max_m or one_wave)
+    quad = cfg.mcast == sm90.MCAST_SHARE_B4 and g.quad_split(m, n, cfg.bm, cfg.bn, cfg.splits, False, H100)
+    assert cfg.bm == g.row_tile(m) or cfg.bm == 64 and (cfg.splits > 1 and m <= g.TUNING.split_bm64_max_m or one_wave
+                                                         or quad)
     assert cfg.bn % 8 == 0 and 8 <= cfg.bn <= (256 if cfg.bm < 192 else 160 if cfg.splits > 1 else 192)
     assert 2 <= cfg.stages <= g.MAX_STAGES
     epi = 4 if cfg.splits > 1 else out_bytes
@@ -58,8 +61,9 @@ def test_config_choices():
     assert g.pick_config(64, 2112, 16384, 2, H100).splits > 1
     assert g.pick_config(16, 2560, 16384, 2, H100).splits > 1
     # Among near-equal estimates, a grid of units that fills the SMs beats a wider tile that leaves SMs idle:
-    # 256x512x65536 128x128 x 16 (128 units), not 128x192 x 16 (96 units)
-    cfg = g.pick_config(256, 512, 65536, 2, H100)
+    # 256x512x65536 128x128 x 16 (128 units), not 128x192 x 16 (96 units) (without clusters of four, which
+    # it runs since: 64 x 128 x 6, level with it on an H200)
+    cfg = g.pick_config(256, 512, 65536, 2, H100, tuning=replace(g.TUNING, quad_clusters_share=0))
     assert (cfg.bn, cfg.splits) == (128, 16)
     # 512x512x65536: 128 x 256 tiles, 16 splits, pairs along M (61.5 us against 66.5 for 128 x 192 x 11)
     cfg = g.pick_config(512, 512, 65536, 2, H100)
@@ -69,10 +73,12 @@ def test_config_choices():
     # few tiles, long K: split
     assert g.pick_config(128, 128, 65536, 2, H100).splits >= 16
     # M <= 128 splits with 64-row tiles paired along M: 128x128x65536 64x64 x 30 (16.6 us) rather than 128x64 x 64
-    # paired along N (17.4); M = 256 keeps 128-row tiles
+    # paired along N (17.4); M = 256 keeps 128-row tiles, unless in clusters of four (test below)
     cfg = g.pick_config(128, 128, 65536, 2, H100)
     assert (cfg.bm, cfg.bn, cfg.splits, cfg.mcast) == (64, 64, 30, g.MCAST_SHARE_B)
-    assert (g.pick_config(128, 2048, 28672, 2, H100).bm, g.pick_config(256, 256, 32768, 2, H100).bm) == (64, 128)
+    no_quad = replace(g.TUNING, quad_clusters_share=0)
+    assert (g.pick_config(128, 2048, 28672, 2, H100).bm, g.pick_config(256, 256, 32768, 2, H100, tuning=no_quad).bm) \
+        == (64, 128)
     assert g.pick_config(256, 256, 32768, 2, H100).splits >= 8
     # 2048x2048: BN=256 gives 128 tiles, one wave; no split beats a narrower tile with two waves
     assert g.pick_config(2048, 2048, 32768, 2, H100) == g.pick_config(2048, 2048, 32768, 2, H100, split_k=1)
@@ -158,6 +164,24 @@ def test_a_wave_short_of_full_grid_counts_where_no_width_fills_it():
         assert (cfg.bm, cfg.bn, cfg.splits) == (64, 64, 1)
 
 
+def test_split_k_at_four_rows_of_64_runs_clusters_of_four():
+    # H200, 2026-11-28 (forced, same rounds): 256x256x32768 64 x 128 x 14 in clusters of four 15.6 us against the
+    # pick before, 128 x 96 x 22 in pairs, 16.8 (cuBLAS 16.0); 256x128x65536 64 x 128 x 28 17.8 against 22.4. Four
+    # rows of 64-row tiles (M 193..256) only; B in quarters of whole swizzle atoms; the clusters within
+    # quad_clusters_share of the SMs' (30 clusters of four fit an H200)
+    for p in (H100, H200):
+        cfg = g.pick_config(256, 256, 32768, 2, p)
+        assert (cfg.bm, cfg.mcast, cfg.cluster) == (64, sm90.MCAST_SHARE_B4, 4) and cfg.splits > 1
+        assert -(-256 // cfg.bn) * cfg.splits <= g.TUNING.quad_clusters_share * p.sm_count / 4
+        for m, n, k in ((192, 256, 32768), (320, 256, 32768), (256, 8192, 8192)):
+            assert g.pick_config(m, n, k, 2, p).mcast != sm90.MCAST_SHARE_B4, (m, n, k)
+        assert not g.quad_split(256, 256, 64, 96 + 16, 8, False, p)  # 28-row quarters
+        assert not g.quad_split(256, 256, 64, 128, 8, True, p)       # B as [K, N]
+        assert g.pick_config(256, 256, 32768, 2, p, b_kn=True).mcast != sm90.MCAST_SHARE_B4
+    assert sm90.cluster_tiles(200, 1000, 64, 96, sm90.MCAST_SHARE_B4) == (1, 11)
+    assert sm90.sharers(sm90.MCAST_SHARE_B4) == (1, 4) and sm90.cluster_ctas(sm90.MCAST_SHARE_B4) == 4
+
+
 def test_picks_take_the_device_figures(monkeypatch):
     # An H200 has the H100's SMs and shared memory: the compute-bound picks are the same; the split model's byte
     # floor follows the device's copy rate (256x256x65536 in 128 x 128 x 32 units: bound by the operand bytes)
@@ -210,7 +234,7 @@ def test_edge_maps():
     """A CTA loads an operand tile as one box (half the tile when a pair shares it); the box across the last row
     goes through an edge map of exactly the rows left (ptx/common tma_load_rows), or the main map where the rows
     are a multiple of the box."""
-    assert (sm90.box_rows(128, False), sm90.box_rows(128, True), sm90.box_rows(256, True)) == (128, 64, 128)
+    assert (sm90.box_rows(128, 1), sm90.box_rows(128, 2), sm90.box_rows(256, 2), sm90.box_rows(128, 4)) == (128, 64, 128, 32)
     a = MapLayout(dt.bfloat16, (4096, 777), (8192,), (64, 128), 128, 256)
     assert sm90.edge_map(a, 777) == (dt.bfloat16, (4096, 777), (8192,), (64, 9), 128, 256)
     assert sm90.edge_map(a, 768) is a
@@ -408,6 +432,33 @@ def test_cluster_pairs(rng, mode, shape):
     _check_c_added_and_accumulate(rng, da, db, ref, "fp16", tuning)
     used = {p.cfg.mcast for k, p in PLANS.items("gemm") if k[-1] is tuning}
     assert mode in used  # the forced pairing really ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,bn", [((256, 256, 8192), 128), ((200, 1000, 3000), 96), ((193, 520, 4160), 64),
+                                      ((256, 136, 2048), 32)], ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else str(s))
+def test_clusters_of_four(rng, shape, bn):
+    """64-row tiles in clusters of four along M that share B (each CTA loads a quarter): split-K (the heuristic's,
+    and forced counts, deterministic into fp32) and unsplit, with M and N tails and spare tiles past M."""
+    m, n, k = shape
+    a, b = _rand(rng, (m, k), "bf16"), _rand(rng, (n, k), "bf16")
+    da, db = DeviceArray.from_numpy(a), DeviceArray.from_numpy(b)
+    ref = a.astype(np.float64) @ b.astype(np.float64).T
+    props = driver.device_properties(0)
+    for splits, out_dtype, det in ((1, "bf16", False), (3, "fp32", True), (5, "bf16", False)):
+        cfg = g.make_config(m, n, k, 2 if out_dtype == "bf16" else 4, props, 64, bn, splits)
+        cfg = replace(cfg, mcast=sm90.MCAST_SHARE_B4, group_m=sm90.group_rows(m, n, 64, bn, sm90.MCAST_SHARE_B4, props))
+        tuning = replace(g.TUNING, force_config=cfg)
+        for _ in range(2):
+            out = DeviceArray.empty((m, n), out_dtype).fill_bytes(0xFF)
+            ck.gemm(da, db, out=out, deterministic=det, tuning=tuning)
+            _check(out.numpy(), ref, out_dtype)
+    pick = g.pick_config(m, n, k, 2, props)
+    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
+    ck.gemm(da, db, out=out)
+    _check(out.numpy(), ref, "bf16")
+    if m == 256 and n == 256:
+        assert pick.mcast == sm90.MCAST_SHARE_B4  # the heuristic's own choice there
 
 
 @pytest.mark.gpu

@@ -54,6 +54,7 @@ class GemmTuning(sm90.Sm90Tuning):
     close: float = 1.05                 # estimates this close to the best: widest tile, then most units
     paired_factor: float = 0.95         # split candidates that pair tiles count at this share of their estimate
     split_bm64_max_m: int = 128         # split-K up to this M searches 64-row tiles
+    quad_clusters_share: float = 0.85   # ... and at M 193..256 in clusters of four sharing B, up to this share (quad_split)
     bm192_max_bn: int = 192             # three consumers get 152 registers each
     bm192_split_max_bn: int = 160
     # Decode-shaped GEMMs (ptx/gemm_decode.cu): M <= decode_max_m, B as [N, K], split_k left to the heuristic,
@@ -120,7 +121,7 @@ class GemmConfig:
     stages: int
     splits: int
     smem: int  # dynamic shared memory bytes, alignment slack included
-    mcast: int = MCAST_NONE  # 2-CTA cluster pairing tiles along M (sharing B) or along N (sharing A)
+    mcast: int = MCAST_NONE  # clusters of tiles along M sharing B (2 or 4 CTAs) or along N sharing A (sm90.MCAST_*)
     group_m: int = 1         # cluster-tile rows per group of the tile order
     stream_b: bool = False   # B loaded with an evict-first L2 policy (sm90.streams_b)
     warm_l2: bool = False    # B's first k block into L2 before pdl_wait (L2_WARM)
@@ -131,7 +132,7 @@ class GemmConfig:
 
     @property
     def cluster(self) -> int:
-        return 2 if self.mcast else 1
+        return sm90.cluster_ctas(self.mcast)
 
 
 def epilogue_chunk(bn: int, epi_bytes: int) -> int:
@@ -245,6 +246,30 @@ def split_candidates(m: int, n: int, k: int, bm: int, bn0: int, b_kn: bool, prop
     return cands
 
 
+def quad_candidate(m: int, n: int, k: int, b_kn: bool, props: DeviceProperties,
+                   tuning: GemmTuning = TUNING) -> tuple | None:
+    """(estimate us, 64, BN, splits) of the cheapest split-K config in clusters of four (`quad_split`), at
+    paired_factor of its estimate, or None where there is none."""
+    t = tuning
+    cands = []
+    for bn in _split_bn_candidates(n, t):
+        if max_stages(64, bn, 4, props.smem_per_block_optin, b_kn) < t.min_split_stages:
+            continue
+        for sp in range(2, min(t.max_splits, -(-k // BK) // t.min_kblocks_per_split) + 1):
+            if quad_split(m, n, 64, bn, sp, b_kn, props, t):
+                cands.append((split_time_us(m, n, k, 64, bn, sp, props, t) * t.paired_factor, 64, bn, sp))
+    return min(cands) if cands else None
+
+
+def quad_split(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, props: DeviceProperties,
+               tuning: GemmTuning = TUNING) -> bool:
+    """Whether split-K units of 64-row tiles run in clusters of four along M that share B (MCAST_SHARE_B4): M in
+    193..256 (four rows of tiles, one cluster tall), B as [N, K] in quarters of whole swizzle atoms, and the clusters
+    within quad_clusters_share of the SMs' (a 4-CTA cluster needs four free SMs of one GPC: 30 fit an H200's 132)."""
+    return (bm == 64 and splits > 1 and 192 < m <= 256 and not b_kn and bn % 32 == 0 and tuning.multicast
+            and -(-n // bn) * splits <= tuning.quad_clusters_share * props.sm_count / 4)
+
+
 def choose_split(cands: list, m: int, n: int, props: DeviceProperties, tuning: GemmTuning = TUNING) -> tuple:
     """The candidate to run: among those within `close` of the best estimate, the ones whose units busy nearly
     every SM if any (more loads in flight), then the widest tile, then the most units (wide tiles stream DRAM
@@ -278,6 +303,9 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
                                           and max_stages(bm, b, epi_plain, budget, b_kn) >= 2], props)
     if split_k is None and not unsplit_fills(m, n, bm, bn0, props, t) and k_blocks >= 2 * t.min_kblocks_per_split:
         est, bm, bn, splits = choose_split(split_candidates(m, n, k, bm, bn0, b_kn, props, t), m, n, props, t)
+        quad = quad_candidate(m, n, k, b_kn, props, t)
+        if quad is not None and quad[0] < est:
+            est, bm, bn, splits = quad
         wave = unsplit_wave(m, n, k, b_kn, props, t)
         if wave is not None and wave[0] <= t.close * (est + (t.split_fixed_us if splits > 1 else 0.0)):
             _, bm, bn, splits = wave
@@ -323,7 +351,8 @@ def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     """The full config of a BM x BN tile with `splits` K slices: stages fill the budget, pairs, tile order."""
     epi = 4 if (splits > 1 or accumulate) else out_bytes
     stages = max_stages(bm, bn, epi, props.smem_per_block_optin, b_kn)
-    mcast = sm90.pick_multicast(m, n, bm, bn, splits, b_kn, props, tuning)
+    mcast = (sm90.MCAST_SHARE_B4 if quad_split(m, n, bm, bn, splits, b_kn, props, tuning)
+             else sm90.pick_multicast(m, n, bm, bn, splits, b_kn, props, tuning))
     return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn), mcast,
                       sm90.group_rows(m, n, bm, bn, mcast, props), sm90.streams_b(m, k, 2, tuning) and not b_kn,
                       tuning.pdl and tuning.warm_l2)
@@ -484,14 +513,14 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
     it = av.dtype.itemsize
     ld_w = -(-n // 4) * 4
     cl_m, cl_n = sm90.cluster_tiles(m, n, cfg.bm, cfg.bn, cfg.mcast)
-    map_a = MapLayout(av.dtype, (k, m), (av.strides[0] * it,), (BK, sm90.box_rows(cfg.bm, cfg.mcast == MCAST_SHARE_A)),
+    map_a = MapLayout(av.dtype, (k, m), (av.strides[0] * it,), (BK, sm90.box_rows(cfg.bm, sm90.sharers(cfg.mcast)[0])),
                       128, sm90.l2_promotion(cl_n, cfg.splits))
     if b_kn:  # [K, N]: boxes of 64 N x 64 K, loaded panel by panel (no edge map)
         map_b = map_b_edge = MapLayout(bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128,
                                        sm90.l2_promotion(cl_m, cfg.splits))
     else:
         map_b = MapLayout(bv.dtype, (k, n), (bv.strides[0] * it,),
-                          (BK, sm90.box_rows(cfg.bn, cfg.mcast == MCAST_SHARE_B)), 128,
+                          (BK, sm90.box_rows(cfg.bn, sm90.sharers(cfg.mcast)[1])), 128,
                           sm90.l2_promotion(cl_m, cfg.splits))
         map_b_edge = sm90.edge_map(map_b, n)
     epi_bytes = 4 if epi != "EPI_STORE" else dv.dtype.itemsize

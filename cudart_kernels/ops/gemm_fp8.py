@@ -525,8 +525,8 @@ def _make_plan(layout, av, sav, bv, sbv, dv, sb_strides, m, n, k, groups, alignm
         rows = m_all + (min(groups, -(-m // cfg.bm)) * cfg.bm if cfg.tile_list else 0)
         grid = sm90.persistent_grid(launch, rows, n, cfg.bm, cfg.bn, cfg.mcast, 1, cfg.smem, props)
     kb = -(-k // 128)
-    a_box = sm90.box_rows(cfg.bm, cfg.mcast == MCAST_SHARE_A)
-    b_box = sm90.box_rows(cfg.bn, cfg.mcast == MCAST_SHARE_B)
+    a_box = sm90.box_rows(cfg.bm, sm90.sharers(cfg.mcast)[0])
+    b_box = sm90.box_rows(cfg.bn, sm90.sharers(cfg.mcast)[1])
     map_a = MapLayout(dt.float8_e4m3, (k, av.shape[0]), (av.strides[0],), (BK, a_box), 128)
     map_b = MapLayout(dt.float8_e4m3, (k, bv.shape[0]), (bv.strides[0],), (BK, b_box), 128)
     scratch = []

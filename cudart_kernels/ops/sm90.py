@@ -11,7 +11,19 @@ from typing import NamedTuple
 from ..runtime.driver import DeviceProperties
 from ..runtime.tensormap import AddressedMapCache
 
-MCAST_NONE, MCAST_SHARE_B, MCAST_SHARE_A = 0, 1, 2  # ptx MCAST: pairs along M share B, pairs along N share A
+# ptx MCAST: pairs along M share B, pairs along N share A, four tiles along M share B (the BF16 GEMM)
+MCAST_NONE, MCAST_SHARE_B, MCAST_SHARE_A, MCAST_SHARE_B4 = 0, 1, 2, 3
+
+
+def cluster_ctas(mcast: int) -> int:
+    """CTAs per cluster (ptx/common/pipeline.cuh cluster_ctas)."""
+    return 4 if mcast == MCAST_SHARE_B4 else 2 if mcast else 1
+
+
+def sharers(mcast: int) -> tuple[int, int]:
+    """The CTAs that share the A tile and the B tile, each loading a part of it (a_sharers, b_sharers)."""
+    return (2 if mcast == MCAST_SHARE_A else 1,
+            2 if mcast == MCAST_SHARE_B else 4 if mcast == MCAST_SHARE_B4 else 1)
 
 
 @dataclass(frozen=True)
@@ -56,9 +68,9 @@ def thread_maps() -> AddressedMapCache:
     return _local.maps
 
 
-def box_rows(tile_rows: int, shared: bool) -> int:
-    """The rows of an operand tile one CTA loads: all of them, or half when the pair shares the tile."""
-    return tile_rows // 2 if shared else tile_rows
+def box_rows(tile_rows: int, sharers: int) -> int:
+    """The rows of an operand tile one CTA loads: its part when `sharers` CTAs share the tile (`sharers`)."""
+    return tile_rows // sharers
 
 
 def edge_map(layout: MapLayout, rows: int) -> MapLayout:
@@ -99,14 +111,11 @@ def fewest_waves_bn(m: int, n: int, bm: int, candidates, props: DeviceProperties
 
 
 def cluster_tiles(m: int, n: int, bm: int, bn: int, mcast: int) -> tuple[int, int]:
-    """Cluster tiles along M and N (the kernels' cl_tiles_m / cl_tiles_n): a pair of tiles along M (sharing B) or
-    along N (sharing A) under multicast, else one tile; an odd count leaves a spare tile in the last pair."""
-    tiles_m, tiles_n = -(-m // bm), -(-n // bn)
-    if mcast == MCAST_SHARE_B:
-        return -(-tiles_m // 2), tiles_n
-    if mcast == MCAST_SHARE_A:
-        return tiles_m, -(-tiles_n // 2)
-    return tiles_m, tiles_n
+    """Cluster tiles along M and N (the kernels' cl_tiles_m / cl_tiles_n): the tiles along M that share B (a pair,
+    or four) or along N that share A (a pair) under multicast, else one tile; a count not a multiple of the
+    cluster's leaves spare tiles in the last cluster."""
+    share_a, share_b = sharers(mcast)
+    return -(-(-(-m // bm)) // share_b), -(-(-(-n // bn)) // share_a)
 
 
 def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, props: DeviceProperties,
@@ -143,25 +152,26 @@ def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, pr
 
 def persistent_grid(launch, m: int, n: int, bm: int, bn: int, mcast: int, splits: int, smem: int,
                     props: DeviceProperties) -> tuple:
-    """One CTA per work unit up to one per SM; under multicast, whole 2-CTA clusters, all resident at once
-    (the split-K turnstile relies on it)."""
+    """One CTA per work unit up to one per SM; under multicast, whole clusters, all resident at once (the split-K
+    turnstile relies on it)."""
     if not mcast:
         return (max(1, min(-(-m // bm) * -(-n // bn) * splits, props.sm_count)), 1, 1)
+    ctas = cluster_ctas(mcast)
     cl_m, cl_n = cluster_tiles(m, n, bm, bn, mcast)
-    clusters = min(cl_m * cl_n * splits, props.sm_count // 2, launch.max_active_clusters())
+    clusters = min(cl_m * cl_n * splits, props.sm_count // ctas, launch.max_active_clusters())
     if clusters < 1:
-        raise RuntimeError(f"no 2-CTA cluster of {smem} bytes of shared memory fits this device")
-    return (2 * clusters, 1, 1)
+        raise RuntimeError(f"no {ctas}-CTA cluster of {smem} bytes of shared memory fits this device")
+    return (ctas * clusters, 1, 1)
 
 
 def group_rows(m: int, n: int, bm: int, bn: int, mcast: int, props: DeviceProperties) -> int:
     """Cluster-tile rows per group of the tile order. A wave covers about `group x (wave / group)` cluster tiles;
     the group that minimises the A rows plus B rows a wave reads is sqrt(wave * tile_n / tile_m). When all
     tiles fit in one wave the order does not matter (one group: M fastest)."""
-    cl_bm = bm * (2 if mcast == MCAST_SHARE_B else 1)
-    cl_bn = bn * (2 if mcast == MCAST_SHARE_A else 1)
+    share_a, share_b = sharers(mcast)
+    cl_bm, cl_bn = bm * share_b, bn * share_a
     cl_tiles_m, cl_tiles_n = cluster_tiles(m, n, bm, bn, mcast)
-    wave = props.sm_count // (2 if mcast else 1)
+    wave = props.sm_count // cluster_ctas(mcast)
     if cl_tiles_m * cl_tiles_n <= wave:
         return cl_tiles_m
     return max(1, min(cl_tiles_m, round((wave * cl_bn / cl_bm) ** 0.5)))

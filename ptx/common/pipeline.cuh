@@ -19,11 +19,18 @@ struct PipeState {
   }
 };
 
-// PAIRING (a kernel's MCAST, 2-CTA clusters): 0 none; 1 or 2, the two CTAs of a cluster each load half of a tile
-// they share and multicast it to both, so a stage is free only when the consumers of both CTAs released it.
+// PAIRING (a kernel's MCAST): 0 none; 1 or 2, the two CTAs of a cluster each load half of a tile they share
+// (1: tiles along M share B, 2: along N share A) and multicast it to both; 3, four CTAs along M each load a quarter
+// of the B tile they share. A stage is then free only when the consumers of every CTA of the cluster released it.
+__host__ __device__ constexpr int cluster_ctas(int pairing) { return pairing == 3 ? 4 : pairing != 0 ? 2 : 1; }
+// The CTAs that share (each loading a part of) the A and the B tile.
+__host__ __device__ constexpr int a_sharers(int pairing) { return pairing == 2 ? 2 : 1; }
+__host__ __device__ constexpr int b_sharers(int pairing) { return pairing == 1 ? 2 : pairing == 3 ? 4 : 1; }
+
 template <int RING, int PAIRING>
 struct StageRing {
   typedef PipeState<RING> State;
+  static constexpr int CTAS = cluster_ctas(PAIRING);
   u64* full;
   u64* empty;
   u32 bars;  // full[0]'s shared address (empty[0] at + RING * 8): the consumers' waits and releases stay 32-bit
@@ -75,20 +82,21 @@ struct StageRing {
   // ---- consumer half ----
   __device__ __forceinline__ void wait(State st) const { mbar_wait(bars + st.stage * 8, st.phase); }
 
-  // The empty barrier of stage 0 that lane `lane` of a consumer warp frees: this CTA's (lane 0) or, paired, the
-  // partner's (lane 1; its producer writes half of this CTA's stage), as a cluster address then. Stage s's is this
-  // + 8 s (a CTA's window is contiguous): a hot loop computes this once (the mapping reads the CTA's cluster id).
+  // The empty barrier of stage 0 that lane `lane` of a consumer warp frees: this CTA's (lane 0) or, in a cluster,
+  // that of CTA rank ^ lane (lanes below CTAS: each of their producers writes part of this CTA's stage), as a
+  // cluster address then. Stage s's is this + 8 s (a CTA's window is contiguous): a hot loop computes this once (the
+  // mapping reads the CTA's cluster id).
   __device__ __forceinline__ u32 release_bar(u32 rank, int lane) const {
-    return PAIRING != 0 ? dsmem_addr(bars + RING * 8, rank ^ u32(lane & 1)) : bars + RING * 8;
+    return PAIRING != 0 ? dsmem_addr(bars + RING * 8, rank ^ u32(lane & (CTAS - 1))) : bars + RING * 8;
   }
 
   // A consumer warp is done with the stage whose empty barrier (for this lane) is `bar`: one arrival instruction,
-  // lane 0 here and, paired, lane 1 in the partner CTA. CTA-scope release (the default): a cluster-scope release
+  // lane 0 here and, in a cluster, lanes 1.. CTAS - 1 in the others. CTA-scope release (the default): a cluster-scope release
   // costs a MEMBAR per arrival (measured: half the stall cycles of a multicast GEMM), and none is needed to free a
   // stage whose reads (wgmma) have completed.
   __device__ __forceinline__ void release_at(u32 bar, int lane) const {
     if constexpr (PAIRING != 0) {
-      if (lane < 2) asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(bar) : "memory");
+      if (lane < CTAS) asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(bar) : "memory");
     } else {
       if (lane == 0) mbar_arrive(bar);
     }
@@ -99,8 +107,8 @@ struct StageRing {
   // faster, BF16 one-consumer tiles on long K 1.2x).
   __device__ __forceinline__ void release_predicated_at(u32 bar, int lane) const {
     if constexpr (PAIRING != 0) {
-      asm volatile("{\n\t.reg .pred p;\n\tsetp.lt.s32 p, %1, 2;\n\t@p mbarrier.arrive.shared::cluster.b64 _, [%0];\n\t}"
-                   :: "r"(bar), "r"(lane) : "memory");
+      asm volatile("{\n\t.reg .pred p;\n\tsetp.lt.s32 p, %1, %2;\n\t@p mbarrier.arrive.shared::cluster.b64 _, [%0];\n\t}"
+                   :: "r"(bar), "r"(lane), "n"(CTAS) : "memory");
     } else {
       mbar_arrive_by_lane0(bar, lane);
     }
@@ -128,7 +136,8 @@ __device__ __forceinline__ void kernel_prologue(const Ring& ring, u32 empty_arri
 }
 
 // One k block of an operand tile of `rows` 128-byte rows from row `row0` of a map with `row_end` rows, as one box
-// per CTA: the whole tile, or (SHARED, a tile both CTAs of a pair use) this CTA's half, multicast to both. A box
+// per CTA: the whole tile, or (SHARERS CTAs of a cluster use it: a_sharers / b_sharers) this CTA's part, rank r's
+// rows [r rows / SHARERS, (r + 1) rows / SHARERS), multicast to all of them. A box
 // that crosses row_end is loaded through `edge`, a map of the same tensor whose box is exactly the rows left there
 // (the host sizes it: every such box starts at a multiple of the box from the start of a group of row_end's
 // period), and a box wholly past row_end is not issued. So TMA never fills rows past the tensor, which it does
@@ -141,33 +150,34 @@ __device__ __forceinline__ int rows_in_bounds(int row0, int rows, int row_end) {
 
 // The box of tma_load_rows: its map (`map`, or `edge` where it crosses row_end) and first row; null where it lies
 // wholly past row_end.
-template <bool SHARED>
+template <int SHARERS>
 __device__ __forceinline__ const CUtensorMap_st* row_box(const CUtensorMap_st* map, const CUtensorMap_st* edge,
                                                          int row0, int rows, int row_end, u32 rank, int& first) {
-  const int box = SHARED ? rows / 2 : rows;
-  first = row0 + (SHARED ? int(rank) * box : 0);
+  static_assert(SHARERS == 1 || SHARERS == 2 || SHARERS == 4, "a tile is shared by 1, 2 or 4 CTAs");
+  const int box = rows / SHARERS;
+  first = row0 + (SHARERS > 1 ? int(rank) * box : 0);
   if (first >= row_end) return nullptr;
   return first + box <= row_end ? map : edge;
 }
 
-template <bool SHARED, bool EVICT_FIRST = false>
+template <int SHARERS, bool EVICT_FIRST = false>
 __device__ __forceinline__ void tma_load_rows(u8* dst, const CUtensorMap_st* map, const CUtensorMap_st* edge,
                                               u64* bar, int k0, int row0, int rows, int row_end, u32 rank) {
   int first;
-  const CUtensorMap_st* m = row_box<SHARED>(map, edge, row0, rows, row_end, rank, first);
+  const CUtensorMap_st* m = row_box<SHARERS>(map, edge, row0, rows, row_end, rank, first);
   if (!m) return;
-  if constexpr (SHARED) {
-    tma_load_2d_multicast<EVICT_FIRST>(dst + (first - row0) * 128, m, bar, k0, first, 3);
+  if constexpr (SHARERS > 1) {
+    tma_load_2d_multicast<EVICT_FIRST>(dst + (first - row0) * 128, m, bar, k0, first, (1 << SHARERS) - 1);
   } else {
     tma_load_2d<EVICT_FIRST>(dst, m, bar, k0, first);
   }
 }
 
 // The same box into L2 only (tma_prefetch_2d).
-template <bool SHARED>
+template <int SHARERS>
 __device__ __forceinline__ void tma_prefetch_rows(const CUtensorMap_st* map, const CUtensorMap_st* edge, int k0,
                                                   int row0, int rows, int row_end, u32 rank) {
   int first;
-  const CUtensorMap_st* m = row_box<SHARED>(map, edge, row0, rows, row_end, rank, first);
+  const CUtensorMap_st* m = row_box<SHARERS>(map, edge, row0, rows, row_end, rank, first);
   if (m) tma_prefetch_2d(m, k0, first);
 }

@@ -55,7 +55,7 @@ struct GemmTile {
 };
 
 // GEMM tiles of TILE_M x TILE_N (k blocks of TILE_K) in grouped order: cluster tiles (two tiles along M or N when
-// PAIRING is 1 or 2, else one) run group_m rows at a time, M fastest within a group, so that the CTAs of a wave
+// PAIRING is 1 or 2, four along M when it is 3, else one) run group_m rows at a time, M fastest within a group, so that the CTAs of a wave
 // share A and B panels in L2. Units are:
 // - (cluster tile, split) pairs, split fastest, with `splits` slices of K (split-K through global memory: a unit
 //   then only ever waits on a unit with a smaller index, which a resident CTA has already started);
@@ -63,18 +63,20 @@ struct GemmTile {
 // - with CLUSTER_SPLITS > 1, one cluster tile whose CLUSTER_SPLITS CTAs (cluster rank = slice) each take a slice of K;
 // - LISTED (LAYOUT_CONTIGUOUS): rows of tiles are the entries (tile row, group) of `list` (contiguous_tiles.cu), so
 //   a tile row that holds two groups' rows is two rows of units, one per group.
-// A CTA of a pair may get a tile past the edge (odd tile count): it still loads its half for its partner.
+// A CTA of a cluster may get a tile past the edge (a tile count not a multiple of the cluster's): it still loads
+// its part of the shared tile for the others.
 template <int TILE_M, int TILE_N, int TILE_K, int PAIRING, int ORDER = LAYOUT_NORMAL, int CLUSTER_SPLITS = 1,
           bool LISTED = false>
 struct GemmScheduler : PersistentUnits {
   static constexpr bool PER_GROUP = ORDER == LAYOUT_MASKED || ORDER == LAYOUT_KGROUPED;
-  static_assert(!LISTED || (ORDER == LAYOUT_CONTIGUOUS && PAIRING != 1), "a list of contiguous tile rows");
+  static_assert(!LISTED || (ORDER == LAYOUT_CONTIGUOUS && PAIRING != 1 && PAIRING != 3), "a list of contiguous tile rows");
+  static constexpr int CTAS_M = PAIRING == 1 ? 2 : PAIRING == 3 ? 4 : 1, CTAS_N = PAIRING == 2 ? 2 : 1;
   int tiles_m, cl_tiles_m, cl_tiles_n, per_group, group_m, splits, k_blocks, M, N, groups;
   u32 rank;
   const int* info;
   const int2* list;  // LISTED: the entries (after the count)
 
-  __device__ __forceinline__ static int cl_tiles(int tiles, bool paired) { return paired ? (tiles + 1) / 2 : tiles; }
+  __device__ __forceinline__ static int cl_tiles(int tiles, int ctas) { return (tiles + ctas - 1) / ctas; }
   // Rows of units: of tiles, or the list's entries (read after pdl_wait: the list kernel writes them).
   __device__ __forceinline__ static int unit_rows(int M_, const int* list_) {
     return LISTED ? ld_produced(list_) : (M_ + TILE_M - 1) / TILE_M;
@@ -83,12 +85,12 @@ struct GemmScheduler : PersistentUnits {
   // M, N, K: one group's GEMM (LAYOUT_CONTIGUOUS: M counts all rows; LAYOUT_KGROUPED: K counts all groups').
   __device__ __forceinline__ GemmScheduler(int M_, int N_, int K, int splits_, int groups_, int group_m_,
                                            const int* info_, u32 rank_, int cluster, const int* list_ = nullptr)
-      : PersistentUnits(cl_tiles(unit_rows(M_, list_), PAIRING == 1) *
-                            cl_tiles((N_ + TILE_N - 1) / TILE_N, PAIRING == 2) * (PER_GROUP ? groups_ : splits_),
+      : PersistentUnits(cl_tiles(unit_rows(M_, list_), CTAS_M) *
+                            cl_tiles((N_ + TILE_N - 1) / TILE_N, CTAS_N) * (PER_GROUP ? groups_ : splits_),
                         cluster),
         tiles_m((M_ + TILE_M - 1) / TILE_M),
-        cl_tiles_m(cl_tiles(unit_rows(M_, list_), PAIRING == 1)),
-        cl_tiles_n(cl_tiles((N_ + TILE_N - 1) / TILE_N, PAIRING == 2)),
+        cl_tiles_m(cl_tiles(unit_rows(M_, list_), CTAS_M)),
+        cl_tiles_n(cl_tiles((N_ + TILE_N - 1) / TILE_N, CTAS_N)),
         per_group(cl_tiles_m * cl_tiles_n),
         group_m(group_m_),
         splits(splits_),
@@ -112,8 +114,8 @@ struct GemmScheduler : PersistentUnits {
     const int r = ct % gsize;
     t.tm = first + r % rows;
     t.tn = r / rows;
-    if (PAIRING == 1) t.tm = 2 * t.tm + rank;
-    if (PAIRING == 2) t.tn = 2 * t.tn + rank;
+    if (CTAS_M > 1) t.tm = CTAS_M * t.tm + rank;
+    if (CTAS_N > 1) t.tn = CTAS_N * t.tn + rank;
     t.m0 = t.tm * TILE_M;
     t.n0 = t.tn * TILE_N;
     t.a_row = t.d_row = t.m0;
@@ -138,8 +140,8 @@ struct GemmScheduler : PersistentUnits {
       t.whole = t.m0 + TILE_M <= M && __ldg(info + t.m0 + TILE_M - 1) == t.g;
     } else if constexpr (ORDER == LAYOUT_MASKED) {
       t.rows = min(__ldg(info + t.g), M);
-      // Both CTAs of a pair along M load for each other: skip only when the pair's first tile is masked out.
-      t.skip = (PAIRING == 1 ? t.tm & ~1 : t.tm) * TILE_M >= t.rows;
+      // The CTAs of a cluster along M load for each other: skip only when its first tile is masked out.
+      t.skip = t.tm / CTAS_M * CTAS_M * TILE_M >= t.rows;
       t.whole = t.m0 + TILE_M <= t.rows;
       t.a_row = t.d_row = t.g * M + t.m0;
       t.b_row = t.g * N + t.n0;
