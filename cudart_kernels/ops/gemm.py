@@ -288,8 +288,9 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     and 321..384, else 128 (`row_tile`; split-K searches 64-row tiles up to split_bm64_max_m); BN runs over
     multiples of 16 up to 256 (192 for 192-row tiles) and N rounded up to 8 when N is small; fewer waves win, then
     a fuller last wave, then the larger tile. When the tiles do not fill the GPU, (BN, splits) pairs are compared
-    with a throughput model (`split_time_us`), and the pick gives way to one wave of unsplit tiles that the model
-    puts within `close` of it (`unsplit_wave`). `split_k` forces the count. Stages fill the smem budget.
+    with a throughput model (`split_time_us`); at M 193..256 split-K in clusters of four 64-row tiles takes over
+    where the model puts it lower (`quad_candidate`), and the pick gives way to one wave of unsplit tiles that the
+    model puts within `close` of it (`unsplit_wave`). `split_k` forces the count. Stages fill the smem budget.
     """
     t = tuning
     if t.force_config is not None:

@@ -69,7 +69,7 @@ def thread_maps() -> AddressedMapCache:
 
 
 def box_rows(tile_rows: int, sharers: int) -> int:
-    """The rows of an operand tile one CTA loads: its part when `sharers` CTAs share the tile (`sharers`)."""
+    """The rows of an operand tile one CTA loads: its part when `sharers` CTAs of a cluster share the tile."""
     return tile_rows // sharers
 
 
