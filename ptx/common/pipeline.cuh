@@ -91,9 +91,9 @@ struct StageRing {
   }
 
   // A consumer warp is done with the stage whose empty barrier (for this lane) is `bar`: one arrival instruction,
-  // lane 0 here and, in a cluster, lanes 1.. CTAS - 1 in the others. CTA-scope release (the default): a cluster-scope release
-  // costs a MEMBAR per arrival (measured: half the stall cycles of a multicast GEMM), and none is needed to free a
-  // stage whose reads (wgmma) have completed.
+  // lane 0 here and, in a cluster, lanes 1 .. CTAS - 1 in the others. CTA-scope release (the default): a
+  // cluster-scope release costs a MEMBAR per arrival (measured: half the stall cycles of a multicast GEMM), and none
+  // is needed to free a stage whose reads (wgmma) have completed.
   __device__ __forceinline__ void release_at(u32 bar, int lane) const {
     if constexpr (PAIRING != 0) {
       if (lane < CTAS) asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(bar) : "memory");
@@ -107,8 +107,9 @@ struct StageRing {
   // faster, BF16 one-consumer tiles on long K 1.2x).
   __device__ __forceinline__ void release_predicated_at(u32 bar, int lane) const {
     if constexpr (PAIRING != 0) {
-      asm volatile("{\n\t.reg .pred p;\n\tsetp.lt.s32 p, %1, %2;\n\t@p mbarrier.arrive.shared::cluster.b64 _, [%0];\n\t}"
-                   :: "r"(bar), "r"(lane), "n"(CTAS) : "memory");
+      asm volatile(
+          "{\n\t.reg .pred p;\n\tsetp.lt.s32 p, %1, %2;\n\t@p mbarrier.arrive.shared::cluster.b64 _, [%0];\n\t}"
+          :: "r"(bar), "r"(lane), "n"(CTAS) : "memory");
     } else {
       mbar_arrive_by_lane0(bar, lane);
     }

@@ -55,8 +55,8 @@ struct GemmTile {
 };
 
 // GEMM tiles of TILE_M x TILE_N (k blocks of TILE_K) in grouped order: cluster tiles (two tiles along M or N when
-// PAIRING is 1 or 2, four along M when it is 3, else one) run group_m rows at a time, M fastest within a group, so that the CTAs of a wave
-// share A and B panels in L2. Units are:
+// PAIRING is 1 or 2, four along M when it is 3, else one) run group_m rows at a time, M fastest within a group, so
+// that the CTAs of a wave share A and B panels in L2. Units are:
 // - (cluster tile, split) pairs, split fastest, with `splits` slices of K (split-K through global memory: a unit
 //   then only ever waits on a unit with a smaller index, which a resident CTA has already started);
 // - per group (ORDER LAYOUT_MASKED, LAYOUT_KGROUPED: M counts one group's rows), group slowest;
@@ -69,7 +69,8 @@ template <int TILE_M, int TILE_N, int TILE_K, int PAIRING, int ORDER = LAYOUT_NO
           bool LISTED = false>
 struct GemmScheduler : PersistentUnits {
   static constexpr bool PER_GROUP = ORDER == LAYOUT_MASKED || ORDER == LAYOUT_KGROUPED;
-  static_assert(!LISTED || (ORDER == LAYOUT_CONTIGUOUS && PAIRING != 1 && PAIRING != 3), "a list of contiguous tile rows");
+  static_assert(!LISTED || (ORDER == LAYOUT_CONTIGUOUS && PAIRING != 1 && PAIRING != 3),
+                "a list of contiguous tile rows");
   static constexpr int CTAS_M = PAIRING == 1 ? 2 : PAIRING == 3 ? 4 : 1, CTAS_N = PAIRING == 2 ? 2 : 1;
   int tiles_m, cl_tiles_m, cl_tiles_n, per_group, group_m, splits, k_blocks, M, N, groups;
   u32 rank;
