@@ -525,7 +525,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
       if (t.kb0 < t.kb1) tma_prefetch_rows<b_sharers(MCAST)>(&tm_b, &tm_b_edge, t.kb0 * BK, t.b_row, BN, N, rank);
     }
   };
-  kernel_prologue<(CLUSTER > 1)>(ring, (MCAST ? 2 : 1) * CONSUMERS * 4, warm, &tm_a, &tm_b, &tm_a_edge, &tm_b_edge,
+  kernel_prologue<(CLUSTER > 1)>(ring, cluster_ctas(MCAST) * CONSUMERS * 4, warm, &tm_a, &tm_b, &tm_a_edge, &tm_b_edge,
                                  &tm_sa, WGRAD ? &tm_sb : nullptr, &tm_d);
   const Scheduler sched(M, N, K, 1, groups, group_m, info, rank, CLUSTER, tile_list);  // (after pdl_wait)
 
@@ -541,10 +541,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
         for (int kb = t.kb0; kb < t.kb1; ++kb) {
           const int ab_rows = rows_in_bounds(t.a_row, BM, a_rows) + rows_in_bounds(t.b_row, BN, b_rows);
           u64* bar = ring.acquire(st, ab_rows * 128 + SA_STAGE + SB_BYTES);
-          tma_load_rows<a_sharers(MCAST)>(smem + st.stage * A_STAGE, &tm_a, &tm_a_edge, bar, kb * BK, t.a_row, BM, a_rows,
-                                    rank);
-          tma_load_rows<b_sharers(MCAST), STREAM_B>(smem + SMEM_B + st.stage * B_STAGE, &tm_b, &tm_b_edge, bar, kb * BK,
-                                              t.b_row, BN, b_rows, rank);
+          tma_load_rows<a_sharers(MCAST)>(smem + st.stage * A_STAGE, &tm_a, &tm_a_edge, bar, kb * BK, t.a_row, BM,
+                                          a_rows, rank);
+          tma_load_rows<b_sharers(MCAST), STREAM_B>(smem + SMEM_B + st.stage * B_STAGE, &tm_b, &tm_b_edge, bar,
+                                                    kb * BK, t.b_row, BN, b_rows, rank);
           tma_load_2d(smem + SMEM_SA + st.stage * SA_STAGE, &tm_sa, bar, t.a_row, kb);
           if (WGRAD) tma_load_2d(smem + SMEM_SB + st.stage * SB_STAGE, &tm_sb, bar, t.n0, kb);
           st.advance();
