@@ -63,11 +63,16 @@
 //
 // STREAM_B = 1 loads B with an evict-first L2 policy, as in gemm.cu.
 //
+// SCALES_AT_ISSUE = 1 (two scratch sets): a k block's scales are loaded when its wgmma group is issued (B's before
+// the full-barrier wait, A's after the issue) instead of after the wait for that group, so that their latency is
+// off the consumer's chain from wait to promotion. Picked for one row of 64 x 64 / 64 x 96 tiles, where it is
+// faster; other widths ran slower with it (docs/tuning.md).
+//
 // L2_WARM = 1 (normal layout, launched with PDL): before pdl_wait, a producer warp prefetches B's first k block
 // into L2, so that its DRAM latency overlaps the previous kernel's tail.
 //
 // Compile-time parameters: BM (64, 128, 192, 256), BN (16..256, step 16; 192 and 256 rows: up to 128), STAGES, MCAST,
-// LAYOUT, KSPLIT, STREAM_B, TILE_LIST, L2_WARM.
+// LAYOUT, KSPLIT, STREAM_B, TILE_LIST, L2_WARM, SCALES_AT_ISSUE.
 #include "common/epilogue.cuh"
 #include "common/pipeline.cuh"
 #include "common/scheduler.cuh"
@@ -90,6 +95,9 @@
 #endif
 #ifndef L2_WARM
 #define L2_WARM 0
+#endif
+#ifndef SCALES_AT_ISSUE
+#define SCALES_AT_ISSUE 0
 #endif
 
 constexpr int BK = 128;  // e4m3 elements = bytes: one 128-byte swizzle span, four k32 wgmma steps, one scale block
@@ -141,6 +149,7 @@ static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0) || (MCAST == 2 && BM % 
               "multicast halves must be whole 8-row swizzle atoms");
 static_assert(!(LAYOUT == LAYOUT_CONTIGUOUS && MCAST == 1), "tiles paired along M may belong to different groups");
 static_assert(!TILE_LIST || (LAYOUT == LAYOUT_CONTIGUOUS && BM >= 128), "a tile list: contiguous, 128+ rows");
+static_assert(!SCALES_AT_ISSUE || (SCRATCH2 && !PIPE_HALVES), "scales at issue: the two-set loop of whole k blocks");
 static_assert(KSPLIT == 1 || (KSPLIT <= 8 && MCAST == 0 && LAYOUT == LAYOUT_NORMAL && BM <= 128),
               "split-K: normal layout, at most 128 rows, no multicast, a portable cluster");
 
@@ -245,6 +254,7 @@ struct Mainloop {
   float part[2][PART_N / 2];  // scratch accumulators (two sets, or part[0] alone)
   float next_sa[2], next_sb[3];  // PIPE_HALVES: the scales of the k block whose first half was issued last
   float half_sc[3][2];           // and sA x sB of the k block being promoted
+  float set_sa[2][2], set_sb[2][3];  // SCALES_AT_ISSUE: the scales of each set's k block, loaded at its issue
 
   __device__ __forceinline__ Mainloop(const Ring& ring_, const u8* smem_, int c_, int tid, u32 rank_)
       : ring(ring_),
@@ -271,6 +281,7 @@ struct Mainloop {
   template <bool H, int J>
   __device__ __forceinline__ void issue(Pipe& is) {
     if constexpr (H && J == 0) sb.next(next_sb[0], next_sb[1], next_sb[2]);
+    if constexpr (!H && SCALES_AT_ISSUE) sb.next(set_sb[J][0], set_sb[J][1], set_sb[J][2]);
     if constexpr (!H || J == 0) ring.wait(is);
     wgmma_fence();
     qgmma_k_block<false>(part[J], {}, da0 + u64(is.stage * (A_STAGE >> 4)),
@@ -280,6 +291,11 @@ struct Mainloop {
       const u32 sa = sa_row + is.stage * SA_STAGE;
       next_sa[0] = ld_shared_f32(sa);
       next_sa[1] = ld_shared_f32(sa + 32);
+    }
+    if constexpr (!H && SCALES_AT_ISSUE) {
+      const u32 sa = sa_row + is.stage * SA_STAGE;
+      set_sa[J][0] = ld_shared_f32(sa);
+      set_sa[J][1] = ld_shared_f32(sa + 32);
     }
     if constexpr (!H || J == 1) is.advance();
   }
@@ -302,10 +318,16 @@ struct Mainloop {
       }
       promote_part<G, PART_N>(acc + J * (PART_N / 2), part[J], half_sc, J * (PART_N / 8));
     } else {
-      float scale_b0, scale_b1, scale_b2;
-      sb.next(scale_b0, scale_b1, scale_b2);
-      const u32 sa = sa_row + st.stage * SA_STAGE;
-      const float sa0 = ld_shared_f32(sa), sa1 = ld_shared_f32(sa + 32);
+      float scale_b0, scale_b1, scale_b2, sa0, sa1;
+      if constexpr (SCALES_AT_ISSUE) {
+        scale_b0 = set_sb[J][0], scale_b1 = set_sb[J][1], scale_b2 = set_sb[J][2];
+        sa0 = set_sa[J][0], sa1 = set_sa[J][1];
+      } else {
+        sb.next(scale_b0, scale_b1, scale_b2);
+        const u32 sa = sa_row + st.stage * SA_STAGE;
+        sa0 = ld_shared_f32(sa);
+        sa1 = ld_shared_f32(sa + 32);
+      }
       const float sc[3][2] = {{sa0 * scale_b0, sa1 * scale_b0}, {sa0 * scale_b1, sa1 * scale_b1},
                               {sa0 * scale_b2, sa1 * scale_b2}};
       __syncwarp();  // every lane's sA is in registers (used above) before the stage goes back

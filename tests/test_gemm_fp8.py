@@ -443,6 +443,43 @@ def test_warm_l2_normal_layout_with_pdl_only():
     assert "L2_WARM" not in f._defines(f.pick_config(4096, 7168, 16384, H100, tuning=f.Fp8Tuning(warm_l2=False)))
 
 
+def test_scales_at_issue_for_one_row_of_64_and_96_wide_tiles():
+    """SCALES_AT_ISSUE: the normal layout's single row of 64 x 64 / 64 x 96 tiles (split or not); not other widths,
+    two rows of 64-row tiles, grouped layouts, or with scales_at_issue_bn empty."""
+    for p in (H100, H200):
+        for s in ((64, 7168, 16384), (64, 7168, 2048), (16, 12288, 7168)):
+            c = f.pick_config(*s, p)
+            assert c.scales_at_issue and c.bn in (64, 96), (p.name, s)
+            assert f._defines(c)["SCALES_AT_ISSUE"] == 1
+        for s in ((128, 4096, 7168), (96, 4096, 7168), (64, 5120, 7168), (4096, 7168, 2048)):
+            assert not f.pick_config(*s, p).scales_at_issue, (p.name, s)
+        assert not f.pick_config(64, 7168, 2048, p, f.MASKED, 16).scales_at_issue
+        assert not f.pick_config(64, 7168, 16384, p, tuning=f.Fp8Tuning(scales_at_issue_bn=())).scales_at_issue
+    assert f.pick_config(40, 4000, 4112, H200).scales_at_issue  # a GPU test shape (64 x 64 split in two)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(64, 64, 1), (64, 96, 1), (64, 64, 2), (64, 96, 4)],
+                         ids=lambda t: f"{t[0]}x{t[1]}s{t[2]}")
+@pytest.mark.parametrize("shape", [(64, 1000, 4112), (37, 776, 1040), (1, 200, 384)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_scales_at_issue_bitwise(rng, tile, shape):
+    """Scales loaded at the wgmma issue give the same bits as loaded after the wait (each element sees the same
+    FFMAs in the same order): tails in M, N, K, splits with CTAs that get no k block."""
+    m, n, k = shape
+    a, sa, b, sb, ref = _operands(rng, m, n, k)
+    args = [DeviceArray.from_numpy(x) for x in (a, sa, b, sb)]
+    bits = []
+    for bns in ((64, 96), ()):
+        t = replace(forced(tile=tile[:2], splits=tile[2]), scales_at_issue_bn=bns)
+        out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
+        ck.gemm_fp8(*args, out, tuning=t)
+        _check(out, ref)
+        bits.append(out.numpy().view(np.uint16).copy())
+        assert {p.cfg.scales_at_issue for p in plans_under(t)} == {bool(bns)}
+    assert np.array_equal(bits[0], bits[1])
+
+
 def test_grouped_validation_before_launch():
     m, n, k, groups = 256, 264, 512, 3
     a, sa = fake((m, k), "e4m3"), fake((m, 4), "fp32", (1, m))

@@ -75,6 +75,10 @@ class Fp8Tuning(sm90.Sm90Tuning):
     unsplit_min_bn: int = 32
     split_min_k: int = 4096
     unsplit_max_sm_stream: float = 27e9
+    # One row of 64-row tiles (M <= 64, normal layout) of these widths loads a k block's scales when its wgmma group
+    # is issued (SCALES_AT_ISSUE): H200, 64 x 64 0.93-0.97x the time, 64 x 96 0.98-0.99x; 64 x 48 1.01-1.05x, and
+    # two rows of 64 x 64 (M 65..128, paired or split) 1.02-1.05x, so those keep the loads after the wait.
+    scales_at_issue_bn: tuple = (64, 96)
     force_tile: tuple | None = None  # tests: (BM, BN) for every GEMM (the heuristic picks the rest)
     force_splits: int | None = None  # tests, with force_tile: split-K over clusters of this many CTAs
 
@@ -96,6 +100,7 @@ class Fp8Config:
     tile_list: int = 0             # contiguous tiles that the segments' alignment (this) is not a multiple of:
                                    # from a list (TILE_LIST)
     warm_l2: bool = False          # B's first k block into L2 before pdl_wait (L2_WARM; normal layout, PDL)
+    scales_at_issue: bool = False  # a k block's scales loaded at its wgmma issue (SCALES_AT_ISSUE; Fp8Tuning)
 
     @property
     def consumers(self) -> int:
@@ -248,7 +253,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     where the tiles would leave half the SMs idle (`_split_in_two`). Stages fill the shared-memory budget, up to
     one tile's k blocks (at least min_stages). Pairs and tile order as for the BF16 GEMM, but no pairs with a
     single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
-    there), and contiguous tiles pair along N only (two tiles along M may belong to two experts)."""
+    there), and contiguous tiles pair along N only (two tiles along M may belong to two experts). A single row of
+    64-row tiles of scales_at_issue_bn columns loads its scales at the wgmma issue (SCALES_AT_ISSUE)."""
     t = tuning
     bm = 64 if m <= 64 else 128
     splits = 1
@@ -337,8 +343,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     stream_b = layout == NORMAL and sm90.streams_b(m, k, 1, t)
     tile_list = alignment if layout == CONTIGUOUS and alignment % bm else 0
     warm_l2 = layout == NORMAL and t.pdl and t.warm_l2
+    scales_at_issue = layout == NORMAL and bm == 64 and m <= 64 and bn in t.scales_at_issue_bn
     return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits, stream_b,
-                     tile_list, warm_l2)
+                     tile_list, warm_l2, scales_at_issue)
 
 
 def _defines(cfg: Fp8Config) -> dict:
@@ -355,6 +362,8 @@ def _defines(cfg: Fp8Config) -> dict:
         d["TILE_LIST"] = 1
     if cfg.warm_l2:
         d["L2_WARM"] = 1
+    if cfg.scales_at_issue:
+        d["SCALES_AT_ISSUE"] = 1
     return d
 
 
