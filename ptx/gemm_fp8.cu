@@ -65,8 +65,8 @@
 //
 // SCALES_AT_ISSUE = 1 (two scratch sets): a k block's scales are loaded when its wgmma group is issued (B's before
 // the full-barrier wait, A's after the issue) instead of after the wait for that group, so that their latency is
-// off the consumer's chain from wait to promotion. Picked for one row of 64 x 64 / 64 x 96 tiles, where it is
-// faster; other widths ran slower with it (docs/tuning.md).
+// off the consumer's chain from wait to promotion. Picked for unsplit 128-row tiles and one row of 64 x 64 / 64 x 96
+// tiles, where it is faster; other 64-row tiles ran slower with it (docs/tuning.md).
 //
 // L2_WARM = 1 (normal layout, launched with PDL): before pdl_wait, a producer warp prefetches B's first k block
 // into L2, so that its DRAM latency overlaps the previous kernel's tail.

@@ -443,25 +443,28 @@ def test_warm_l2_normal_layout_with_pdl_only():
     assert "L2_WARM" not in f._defines(f.pick_config(4096, 7168, 16384, H100, tuning=f.Fp8Tuning(warm_l2=False)))
 
 
-def test_scales_at_issue_for_one_row_of_64_and_96_wide_tiles():
-    """SCALES_AT_ISSUE: the normal layout's single row of 64 x 64 / 64 x 96 tiles (split or not); not other widths,
-    two rows of 64-row tiles, grouped layouts, or with scales_at_issue_bn empty."""
+def test_scales_at_issue_for_128_row_tiles_and_one_row_of_64_and_96_wide_tiles():
+    """SCALES_AT_ISSUE: the normal layout's unsplit 128-row tiles of up to 128 columns and single row of 64 x 64 /
+    64 x 96 tiles (split or not), from scales_at_issue_min_k; not other 64-row widths, two rows of 64-row tiles,
+    256- or 192-row tiles, grouped layouts, or with scales_at_issue_bn empty."""
     for p in (H100, H200):
-        for s in ((64, 7168, 16384), (64, 7168, 2048), (16, 12288, 7168)):
+        for s in ((64, 7168, 16384), (64, 7168, 2048), (16, 12288, 7168), (128, 12288, 7168), (384, 5120, 4096)):
             c = f.pick_config(*s, p)
-            assert c.scales_at_issue and c.bn in (64, 96), (p.name, s)
+            assert c.scales_at_issue and (c.bm, c.splits) in ((64, 1), (64, 2), (128, 1)), (p.name, s, c)
             assert f._defines(c)["SCALES_AT_ISSUE"] == 1
-        for s in ((128, 4096, 7168), (96, 4096, 7168), (64, 5120, 7168), (4096, 7168, 2048)):
+        for s in ((128, 4096, 7168), (96, 4096, 7168), (64, 5120, 7168), (4096, 7168, 2048), (128, 32768, 512),
+                  (64, 7168, 1024)):
             assert not f.pick_config(*s, p).scales_at_issue, (p.name, s)
         assert not f.pick_config(64, 7168, 2048, p, f.MASKED, 16).scales_at_issue
         assert not f.pick_config(64, 7168, 16384, p, tuning=f.Fp8Tuning(scales_at_issue_bn=())).scales_at_issue
+        assert not f.pick_config(128, 12288, 7168, p, tuning=f.Fp8Tuning(scales_at_issue_min_k=8192)).scales_at_issue
     assert f.pick_config(40, 4000, 4112, H200).scales_at_issue  # a GPU test shape (64 x 64 split in two)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [(64, 64, 1), (64, 96, 1), (64, 64, 2), (64, 96, 4)],
+@pytest.mark.parametrize("tile", [(64, 64, 1), (64, 96, 1), (64, 64, 2), (64, 96, 4), (128, 80, 1), (128, 128, 1)],
                          ids=lambda t: f"{t[0]}x{t[1]}s{t[2]}")
-@pytest.mark.parametrize("shape", [(64, 1000, 4112), (37, 776, 1040), (1, 200, 384)],
+@pytest.mark.parametrize("shape", [(64, 1000, 4112), (37, 776, 2064), (200, 1000, 2064)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_scales_at_issue_bitwise(rng, tile, shape):
     """Scales loaded at the wgmma issue give the same bits as loaded after the wait (each element sees the same
@@ -470,13 +473,16 @@ def test_scales_at_issue_bitwise(rng, tile, shape):
     a, sa, b, sb, ref = _operands(rng, m, n, k)
     args = [DeviceArray.from_numpy(x) for x in (a, sa, b, sb)]
     bits = []
-    for bns in ((64, 96), ()):
-        t = replace(forced(tile=tile[:2], splits=tile[2]), scales_at_issue_bn=bns)
+    for min_k in (2048, 1 << 30):
+        t = replace(forced(tile=tile[:2], splits=tile[2]), scales_at_issue_min_k=min_k)
         out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
         ck.gemm_fp8(*args, out, tuning=t)
         _check(out, ref)
         bits.append(out.numpy().view(np.uint16).copy())
-        assert {p.cfg.scales_at_issue for p in plans_under(t)} == {bool(bns)}
+        if tile[0] == 64 and m > 64:  # two rows of 64-row tiles: never at issue
+            assert not any(p.cfg.scales_at_issue for p in plans_under(t))
+        else:
+            assert {p.cfg.scales_at_issue for p in plans_under(t)} == {min_k == 2048}
     assert np.array_equal(bits[0], bits[1])
 
 

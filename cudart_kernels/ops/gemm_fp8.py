@@ -75,10 +75,13 @@ class Fp8Tuning(sm90.Sm90Tuning):
     unsplit_min_bn: int = 32
     split_min_k: int = 4096
     unsplit_max_sm_stream: float = 27e9
-    # One row of 64-row tiles (M <= 64, normal layout) of these widths loads a k block's scales when its wgmma group
-    # is issued (SCALES_AT_ISSUE): H200, 64 x 64 0.93-0.97x the time, 64 x 96 0.98-0.99x; 64 x 48 1.01-1.05x, and
-    # two rows of 64 x 64 (M 65..128, paired or split) 1.02-1.05x, so those keep the loads after the wait.
+    # The normal GEMM's unsplit 128-row tiles of up to 128 columns, and one row of 64-row tiles (M <= 64) of
+    # scales_at_issue_bn columns, load a k block's scales when its wgmma group is issued (SCALES_AT_ISSUE), from
+    # K = scales_at_issue_min_k: H200, 128 x 80..128 0.94-0.98x the time, 64 x 64 0.92-0.97x, 64 x 96 0.97-1.0x;
+    # 64 x 48 1.01-1.07x, two rows of 64-row tiles (M 65..128) 1.01-1.06x and K = 512 1.03-1.05x keep the loads
+    # after the wait.
     scales_at_issue_bn: tuple = (64, 96)
+    scales_at_issue_min_k: int = 2048
     force_tile: tuple | None = None  # tests: (BM, BN) for every GEMM (the heuristic picks the rest)
     force_splits: int | None = None  # tests, with force_tile: split-K over clusters of this many CTAs
 
@@ -253,8 +256,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     where the tiles would leave half the SMs idle (`_split_in_two`). Stages fill the shared-memory budget, up to
     one tile's k blocks (at least min_stages). Pairs and tile order as for the BF16 GEMM, but no pairs with a
     single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
-    there), and contiguous tiles pair along N only (two tiles along M may belong to two experts). A single row of
-    64-row tiles of scales_at_issue_bn columns loads its scales at the wgmma issue (SCALES_AT_ISSUE)."""
+    there), and contiguous tiles pair along N only (two tiles along M may belong to two experts). Unsplit 128-row
+    tiles of up to 128 columns and a single row of 64-row tiles of scales_at_issue_bn columns load their scales at
+    the wgmma issue (SCALES_AT_ISSUE) from K = scales_at_issue_min_k."""
     t = tuning
     bm = 64 if m <= 64 else 128
     splits = 1
@@ -343,7 +347,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     stream_b = layout == NORMAL and sm90.streams_b(m, k, 1, t)
     tile_list = alignment if layout == CONTIGUOUS and alignment % bm else 0
     warm_l2 = layout == NORMAL and t.pdl and t.warm_l2
-    scales_at_issue = layout == NORMAL and bm == 64 and m <= 64 and bn in t.scales_at_issue_bn
+    scales_at_issue = layout == NORMAL and k >= t.scales_at_issue_min_k and (
+        bm == 128 and bn <= 128 and splits == 1 or bm == 64 and m <= 64 and bn in t.scales_at_issue_bn)
     return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits, stream_b,
                      tile_list, warm_l2, scales_at_issue)
 
@@ -395,12 +400,13 @@ def _bench_configs(props):
 
 
 def variants():
-    """Every kernel variant the heuristic picks for the benchmark shapes on an H100 and an H200, and for two M that
-    are not multiples of the tile (the edge maps' shapes; their picks differ from the bench's)."""
+    """Every kernel variant the heuristic picks for the benchmark shapes on an H100 and an H200, for two M that are
+    not multiples of the tile (the edge maps' shapes; their picks differ from the bench's), and for a 128-row tile
+    that loads its scales at the wgmma issue (no benchmark shape picks one)."""
     from ..runtime.driver import H100, H200
 
     seen = {}
-    ragged = [pick_config(m, 4096, 7168, H100) for m in (160, 1000)]
+    ragged = [pick_config(m, 4096, 7168, H100) for m in (160, 1000)] + [pick_config(250, 5120, 7168, H100)]
     for cfg in list(_bench_configs(H100)) + list(_bench_configs(H200)) + ragged:
         d = _defines(cfg)
         seen[tuple(sorted(d.items()))] = ("gemm_fp8.cu", "gemm_fp8_kernel", d, cfg.smem)
