@@ -116,6 +116,14 @@ t = replace(f.TUNING, force_tile=(64, 64), force_mcast=g.MCAST_SHARE_B)
 d = ck.gemm_fp8(qa72, sa72, qb, sb, tuning=t)
 assert np.abs(d.numpy().astype(np.float64) - ref8[:72]).max() < 2e-2 * np.abs(ref8).max(), "narrow pairs"
 assert {(p.cfg.bm, p.cfg.mcast) for p in plans_under("gemm_fp8", t)} == {(64, g.MCAST_SHARE_B)}
+# Scales loaded at the wgmma issue (SCALES_AT_ISSUE; K here is under its usual minimum): 128-row tiles and one row
+# of 64-row tiles.
+qa40, sa40 = ck.quantize_fp8_per_token(DeviceArray.from_numpy(x8.numpy()[:40]))
+for tile, qx, sx, rows in (((128, 64), qa, sa, 130), ((64, 64), qa40, sa40, 40)):
+    t = replace(f.TUNING, force_tile=tile, force_mcast=g.MCAST_NONE, scales_at_issue_min_k=0)
+    d = ck.gemm_fp8(qx, sx, qb, sb, tuning=t)
+    assert np.abs(d.numpy().astype(np.float64) - ref8[:rows]).max() < 2e-2 * np.abs(ref8).max(), tile
+    assert {p.cfg.scales_at_issue for p in plans_under("gemm_fp8", t)} == {True}, tile
 # Tiles of more than 192 columns (two column halves, A from registers), 128 and 64 rows.
 for bm in (128, 64):
     check8(replace(f.TUNING, force_tile=(bm, 256), force_mcast=g.MCAST_NONE), bm)
