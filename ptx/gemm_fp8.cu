@@ -252,9 +252,10 @@ struct Mainloop {
   u32 empty_bar;  // stage 0's empty barrier this lane frees (Ring::release_bar)
   u32 sa_row;     // stage 0's sA of this thread's first row (shared address; + 32: its row + 8, + 256: next m64)
   float part[2][PART_N / 2];  // scratch accumulators (two sets, or part[0] alone)
-  float next_sa[2], next_sb[3];  // PIPE_HALVES: the scales of the k block whose first half was issued last
-  float half_sc[3][2];           // and sA x sB of the k block being promoted
-  float set_sa[2][2], set_sb[2][3];  // SCALES_AT_ISSUE: the scales of each set's k block, loaded at its issue
+  // Scales loaded at a k block's issue: of each set's k block (SCALES_AT_ISSUE), or (PIPE_HALVES) in [0], of the
+  // k block whose first half was issued last; and (PIPE_HALVES) sA x sB of the k block being promoted.
+  float issued_sa[2][2], issued_sb[2][3];
+  float half_sc[3][2];
 
   __device__ __forceinline__ Mainloop(const Ring& ring_, const u8* smem_, int c_, int tid, u32 rank_)
       : ring(ring_),
@@ -280,22 +281,18 @@ struct Mainloop {
   // Issue item J into part[J] (waiting for stage `is` at a k block's first item).
   template <bool H, int J>
   __device__ __forceinline__ void issue(Pipe& is) {
-    if constexpr (H && J == 0) sb.next(next_sb[0], next_sb[1], next_sb[2]);
-    if constexpr (!H && SCALES_AT_ISSUE) sb.next(set_sb[J][0], set_sb[J][1], set_sb[J][2]);
+    constexpr bool LOAD = H ? J == 0 : SCALES_AT_ISSUE;  // this item's k block's scales now
+    constexpr int S = H ? 0 : J;                         // into issued_sa / issued_sb[S]
+    if constexpr (LOAD) sb.next(issued_sb[S][0], issued_sb[S][1], issued_sb[S][2]);
     if constexpr (!H || J == 0) ring.wait(is);
     wgmma_fence();
     qgmma_k_block<false>(part[J], {}, da0 + u64(is.stage * (A_STAGE >> 4)),
                          db0 + u64(is.stage * (B_STAGE >> 4) + (H ? J * (PART_N * 128 >> 4) : 0)));
     wgmma_commit();
-    if constexpr (H && J == 0) {  // the k block's sA, for both halves' promotions
+    if constexpr (LOAD) {  // the k block's sA (H: for both halves' promotions)
       const u32 sa = sa_row + is.stage * SA_STAGE;
-      next_sa[0] = ld_shared_f32(sa);
-      next_sa[1] = ld_shared_f32(sa + 32);
-    }
-    if constexpr (!H && SCALES_AT_ISSUE) {
-      const u32 sa = sa_row + is.stage * SA_STAGE;
-      set_sa[J][0] = ld_shared_f32(sa);
-      set_sa[J][1] = ld_shared_f32(sa + 32);
+      issued_sa[S][0] = ld_shared_f32(sa);
+      issued_sa[S][1] = ld_shared_f32(sa + 32);
     }
     if constexpr (!H || J == 1) is.advance();
   }
@@ -308,8 +305,8 @@ struct Mainloop {
       if constexpr (J == 0) {
 #pragma unroll
         for (int b = 0; b < 3; ++b) {
-          half_sc[b][0] = next_sa[0] * next_sb[b];
-          half_sc[b][1] = next_sa[1] * next_sb[b];
+          half_sc[b][0] = issued_sa[0][0] * issued_sb[0][b];
+          half_sc[b][1] = issued_sa[0][1] * issued_sb[0][b];
         }
       } else {
         __syncwarp();
@@ -320,8 +317,8 @@ struct Mainloop {
     } else {
       float scale_b0, scale_b1, scale_b2, sa0, sa1;
       if constexpr (SCALES_AT_ISSUE) {
-        scale_b0 = set_sb[J][0], scale_b1 = set_sb[J][1], scale_b2 = set_sb[J][2];
-        sa0 = set_sa[J][0], sa1 = set_sa[J][1];
+        scale_b0 = issued_sb[J][0], scale_b1 = issued_sb[J][1], scale_b2 = issued_sb[J][2];
+        sa0 = issued_sa[J][0], sa1 = issued_sa[J][1];
       } else {
         sb.next(scale_b0, scale_b1, scale_b2);
         const u32 sa = sa_row + st.stage * SA_STAGE;

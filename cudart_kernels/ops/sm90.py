@@ -115,7 +115,8 @@ def cluster_tiles(m: int, n: int, bm: int, bn: int, mcast: int) -> tuple[int, in
     or four) or along N that share A (a pair) under multicast, else one tile; a count not a multiple of the
     cluster's leaves spare tiles in the last cluster."""
     share_a, share_b = sharers(mcast)
-    return -(-(-(-m // bm)) // share_b), -(-(-(-n // bn)) // share_a)
+    tiles_m, tiles_n = -(-m // bm), -(-n // bn)
+    return -(-tiles_m // share_b), -(-tiles_n // share_a)
 
 
 def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, props: DeviceProperties,

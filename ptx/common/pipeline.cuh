@@ -19,14 +19,8 @@ struct PipeState {
   }
 };
 
-// PAIRING (a kernel's MCAST): 0 none; 1 or 2, the two CTAs of a cluster each load half of a tile they share
-// (1: tiles along M share B, 2: along N share A) and multicast it to both; 3, four CTAs along M each load a quarter
-// of the B tile they share. A stage is then free only when the consumers of every CTA of the cluster released it.
-__host__ __device__ constexpr int cluster_ctas(int pairing) { return pairing == 3 ? 4 : pairing != 0 ? 2 : 1; }
-// The CTAs that share (each loading a part of) the A and the B tile.
-__host__ __device__ constexpr int a_sharers(int pairing) { return pairing == 2 ? 2 : 1; }
-__host__ __device__ constexpr int b_sharers(int pairing) { return pairing == 1 ? 2 : pairing == 3 ? 4 : 1; }
-
+// PAIRING (a kernel's MCAST; cluster_ctas, a_sharers, b_sharers in sm90.cuh): a stage of a cluster's CTAs is free
+// only when the consumers of every CTA of the cluster released it.
 template <int RING, int PAIRING>
 struct StageRing {
   typedef PipeState<RING> State;

@@ -69,9 +69,8 @@ template <int TILE_M, int TILE_N, int TILE_K, int PAIRING, int ORDER = LAYOUT_NO
           bool LISTED = false>
 struct GemmScheduler : PersistentUnits {
   static constexpr bool PER_GROUP = ORDER == LAYOUT_MASKED || ORDER == LAYOUT_KGROUPED;
-  static_assert(!LISTED || (ORDER == LAYOUT_CONTIGUOUS && PAIRING != 1 && PAIRING != 3),
-                "a list of contiguous tile rows");
-  static constexpr int CTAS_M = PAIRING == 1 ? 2 : PAIRING == 3 ? 4 : 1, CTAS_N = PAIRING == 2 ? 2 : 1;
+  static constexpr int CTAS_M = b_sharers(PAIRING), CTAS_N = a_sharers(PAIRING);  // a cluster's tiles along M, N
+  static_assert(!LISTED || (ORDER == LAYOUT_CONTIGUOUS && CTAS_M == 1), "a list of contiguous tile rows");
   int tiles_m, cl_tiles_m, cl_tiles_n, per_group, group_m, splits, k_blocks, M, N, groups;
   u32 rank;
   const int* info;

@@ -17,6 +17,14 @@ __device__ __forceinline__ u8* smem_aligned_1024() {
   return smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
 }
 
+// ---- clusters of CTAs sharing operand tiles (a kernel's MCAST, "pairing") -----------------------------------------
+// 0 none; 1 or 2, the two CTAs of a cluster each load half of a tile they share (1: tiles along M share B, 2: along N
+// share A) and multicast it to both; 3, four CTAs along M each load a quarter of the B tile they share.
+__host__ __device__ constexpr int cluster_ctas(int pairing) { return pairing == 3 ? 4 : pairing != 0 ? 2 : 1; }
+// The CTAs that share (each loading a part of) the A and the B tile.
+__host__ __device__ constexpr int a_sharers(int pairing) { return pairing == 2 ? 2 : 1; }
+__host__ __device__ constexpr int b_sharers(int pairing) { return pairing == 1 ? 2 : pairing == 3 ? 4 : 1; }
+
 // ---- mbarrier ----------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void mbar_init(u64* bar, u32 arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_u32(bar)), "r"(arrivals) : "memory");
