@@ -35,11 +35,12 @@
 // freely: with the descriptors in uniform registers, making them take turns (named-barrier ping-pong) no longer
 // paid (H100: 1-3% slower).
 //
-// BM = 192 (BN <= 128; normal layout, or contiguous from a tile list) runs three consumers of one m64 row block
-// each, with one scratch set (152 registers a consumer). The promotion's FFMAs are what a consumer cannot overlap
-// with its own wgmma; two other consumers' groups hide them better than one: the same rhythm ran at 0.955 of the
-// tensor rate against 0.884 for 256 x 128 in a microbenchmark behind a stage ring (H200), and the tile reads as
-// much from L2 per flop as 128 x 192.
+// BM = 192 (BN <= 128; normal layout, contiguous from a tile list, weight gradient) runs three consumers of one m64 row
+// block each, with one scratch set (152 registers a consumer). The promotion's FFMAs are what a consumer cannot overlap
+// with its own wgmma; two other consumers' groups hide them better than one: the same rhythm ran at 0.955 of the tensor
+// rate against 0.884 for 256 x 128 in a microbenchmark behind a stage ring (H200), and the tile reads as much from L2
+// per flop as 128 x 192. Weight gradient (its heavier per-column promotion): 0.95-1.0x the time of 128 x 192 from 16 k
+// blocks a tile (H200).
 //
 // One row block of at most 128 columns per consumer (BM 64 or 128, not the weight gradient): two scratch sets, k
 // block kb + 1 issued before kb is promoted (TwoScratch). Of 144..192 columns: the two sets hold the two column
@@ -140,8 +141,8 @@ constexpr bool SCRATCH2 = SUBS == 1 && HALVES == 1 && !WGRAD && BN <= 128 && CON
 constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : CONSUMERS == 2 ? 232 : 152;
 static_assert(BM == 64 || BM == 128 || BM == 192 || BM == 256, "BM must be 64, 128, 192 or 256");
-static_assert(BM != 192 || (BN <= 128 && (LAYOUT == LAYOUT_NORMAL || (LAYOUT == LAYOUT_CONTIGUOUS && TILE_LIST))),
-              "three consumers: m64nBN result and scratch in 152 registers; normal layout, or contiguous from a list");
+static_assert(BM != 192 || (BN <= 128 && LAYOUT != LAYOUT_MASKED && (LAYOUT != LAYOUT_CONTIGUOUS || TILE_LIST)),
+              "three consumers: m64nBN result and scratch in 152 registers; not masked, contiguous from a list");
 static_assert(BM != 256 || BN <= 128, "two result sets of m64nBN and one scratch set must fit 232 registers");
 static_assert(BN % 16 == 0 && BN >= 16 && BN <= 256, "BN must be a multiple of 16 in 16..256");
 static_assert(MCAST <= 2, "pairs only (MCAST 1 or 2)");
@@ -163,8 +164,10 @@ static_assert(SB_BLOCKS <= 3, "a tile spans at most three scale blocks of B");
 // most four copies (one per scale split G: BN a multiple of 32, or within one scale block). H100, 128 x 160: 3.5-5.7%
 // faster than one k block at a time (117 -> 349 KB of cubin). BN with finer splits would take up to eight copies of
 // an unrolled lap (64 x 176: 142 KB of code), and their 144-wide tiles (memory-bound picks) gained nothing. (Since
-// the column halves in flight, run_one_set serves only 192- and 256-row tiles and tiles over 192 columns.)
-constexpr bool LAP_UNROLL = SB_BLOCKS == 1 || BN_GCD_128 >= 32;
+// the column halves in flight, run_one_set serves only 192- and 256-row tiles and tiles over 192 columns.) Not for
+// the weight gradient's three consumers or 256-column tiles: unrolled, their per-column promotion spilled (152 and
+// 232 registers; at 160, with the producer at 24, the three consumers ran no faster: H200).
+constexpr bool LAP_UNROLL = (SB_BLOCKS == 1 || BN_GCD_128 >= 32) && !(WGRAD && (CONSUMERS == 3 || A_IN_REGS));
 
 // Promotion of one column part (PART columns, PART / 8 groups of 8, the first being tile group `grp0`) with B's
 // scale block changing at column group G (and G + 16): s[b][h] = sA x sB of block b for this thread's rows r

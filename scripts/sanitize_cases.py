@@ -174,6 +174,11 @@ for mode in (g.MCAST_NONE, g.MCAST_SHARE_A):
     qb_t, sb_t = ck.quantize_fp8_per_token(DeviceArray.from_numpy(rng.standard_normal((132, 384)).astype(np.float32)))
     ck.gemm_fp8_wgrad(qa_t, sa_t, qb_t, sb_t, dw, [256, 128], tuning=t)
     assert np.isfinite(dw.numpy()).all()
+    # the weight gradient on 192-row tiles (three consumers): one partial tile row, its last slice written directly
+    w192 = replace(t, force_tile=(192, 128))
+    dw2 = DeviceArray.from_numpy(np.zeros((2, 136, 132), np.float32))
+    ck.gemm_fp8_wgrad(qa_t, sa_t, qb_t, sb_t, dw2, [256, 128], tuning=w192)
+    assert np.allclose(dw2.numpy(), dw.numpy(), rtol=1e-5, atol=1e-4)
 print("gemm_fp8 grouped sanitize cases ran")
 
 # Attention: a causal varlen case per head dim (empty and length-1 sequences, tails, GQA, S_q != S_k), forward and

@@ -369,10 +369,38 @@ def test_gemm_fp8_192_row_tiles(rng, mode, shape):
     assert (192, mode) in cfgs  # the forced tile and pairing really ran
 
 
-def test_192_row_tiles_only_for_the_normal_and_contiguous_layouts():
-    for layout, groups in ((f.MASKED, 2), (f.KGROUPED, 2)):
-        with pytest.raises(ValueError, match="192-row tiles"):
-            f.pick_config(1024, 4096, 7168, H100, layout, groups, tuning=forced(None, (192, 128)))
+@pytest.mark.gpu
+@pytest.mark.parametrize("mnks", [(200, 264, (256, 0, 384)), (400, 136, (2048, 128)), (1000, 520, (640, 1152, 256))],
+                         ids=lambda s: f"{s[0]}x{s[1]}x{'-'.join(map(str, s[2]))}")
+def test_wgrad_192_row_tiles(rng, mnks):
+    """The weight gradient on three consumers (192-row tiles, the one-set loop without unrolled laps): tails in M
+    (a tile row's last slices written by fp32 atomic adds, not TMA: the next group's rows follow in D) and N, a
+    group without tokens, 16 k blocks in one group, CTAs running several tiles; added to a random D."""
+    m, n, ks = mnks
+    k = sum(ks)
+    t = forced(None, (192, 128))
+    a, sa = _e4m3(rng, (m, k)), _scales(rng, (m, k // 128))
+    b, sb = _e4m3(rng, (n, k)), _scales(rng, (n, k // 128))
+    d0 = rng.standard_normal((len(ks), m, n)).astype(np.float32)
+    d = DeviceArray.from_numpy(d0)
+    ck.gemm_fp8_wgrad(DeviceArray.from_numpy(a), DeviceArray.from_numpy(sa), DeviceArray.from_numpy(b),
+                      DeviceArray.from_numpy(sb), d, ks, tuning=t)
+    got = d.numpy().astype(np.float64) - d0
+    da, db = _deq_rows(a, sa), _deq_rows(b, sb)
+    start = 0
+    for e, ke in enumerate(ks):
+        if ke == 0:
+            assert (got[e] == 0).all(), "a group without tokens changed D"
+        else:
+            assert _rel_err(got[e], da[:, start:start + ke] @ db[:, start:start + ke].T) <= 5e-3, e
+        start += ke
+    assert {(p.cfg.bm, p.cfg.mcast) for p in plans_under(t)} == {(192, g.MCAST_NONE)}  # (never paired)
+
+
+def test_192_row_tiles_not_for_the_masked_layout():
+    with pytest.raises(ValueError, match="192-row tiles"):
+        f.pick_config(1024, 4096, 7168, H100, f.MASKED, 2, tuning=forced(None, (192, 128)))
+    assert f.pick_config(1024, 4096, 7168, H100, f.KGROUPED, 2, tuning=forced(None, (192, 128))).bm == 192
     # contiguous: a 192-row tile row may hold three segments that start at multiples of 64
     with pytest.raises(ValueError, match="three segments"):
         f.pick_config(1024, 4096, 7168, H100, f.CONTIGUOUS, 4, 64, tuning=forced(None, (192, 128)))
@@ -421,6 +449,28 @@ def test_grouped_configs():
         def four_stages(layout=f.NORMAL):
             return f.smem_bytes(cfg.bm, cfg.bn, 8, layout) - f.smem_bytes(cfg.bm, cfg.bn, 4, layout)
         assert four_stages(f.KGROUPED) - four_stages() >= 4 * cfg.bn * 4 - 1024
+
+
+@pytest.mark.parametrize("props", [H100, H200], ids=["H100", "H200"])
+def test_wgrad_192_row_tiles_from_16_k_blocks(props):
+    """The weight gradient takes 192 x 128 tiles (three consumers) where waves x tile_us_wgrad is at most
+    wgrad_tall_gain of the best 128-row tile's, from 16 k blocks a tile. 8 experts x 4096 tokens, M 7168, N 2048:
+    8 x 38 x 16 = 4864 tiles, 37 waves x (1.43 + 32 x 0.636) = 806 us against 128 x 192's 8 x 56 x 11 = 4928, 38
+    waves x (1.68 + 32 x 0.655) = 861: 0.936 (H200, 2026-11-29, same rounds: 0.952x the time, bitwise equal).
+    M 2048, N 7168: 0.988, and M 4096, N 7168 (4 x 8192): 0.992, stay 128 x 192 (measured 0.999x and 0.992x)."""
+    def tile(g_, tokens, m, n):
+        cfg = f.pick_config(m, n, g_ * tokens, props, f.KGROUPED, g_)
+        assert cfg.mcast == g.MCAST_NONE
+        return cfg.bm, cfg.bn
+    assert [tile(*s) for s in f.BENCH_SHAPES["wgrad"]] == [(192, 128), (128, 192), (128, 192)]
+    assert f._tile_us(192, 128, 32, f.KGROUPED, f.TUNING) == pytest.approx(1.43 + 32 * 0.636)
+    assert f._tile_us(128, 192, 32, f.KGROUPED, f.TUNING) == pytest.approx(1.12 * 1.5 + 32 * 0.514 * 1.5 * 0.85)
+    assert tile(8, 2048, 2048, 2048) == (192, 128)    # 16 k blocks
+    assert tile(16, 1024, 7168, 2048) == (128, 192)   # 8 (1.02x the time as 192 x 128)
+    assert tile(4, 8192, 7168, 1024) == (192, 128)    # against 128 x 256: 0.77x
+    # 192 rows counted per group: M 256 takes two tile rows a group (3 waves against 128 x 192's 2; 1.25x)
+    assert tile(4, 2048, 256, 5120) == (128, 192)
+    assert tile(1, 2048, 2048, 5120) == (128, 128)    # an estimate of 0.994 (1.06x the time)
 
 
 def test_fp8_evict_first_b():

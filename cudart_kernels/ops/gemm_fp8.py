@@ -49,6 +49,12 @@ class Fp8Tuning(sm90.Sm90Tuning):
                       ((64, 128), (1.0, 0.30)))
     bn_cost: tuple = ((64, 1.35), (96, 1.27), (160, 0.94))
     bn_cost_wgrad: tuple = ((64, 1.35), (96, 1.27), (128, 1.0), (160, 1.06), (192, 0.85), (256, 0.9))
+    # The weight gradient's other tiles, as tile_us: 192 x 128 (three consumers), a candidate from
+    # wgrad_tall_min_kb k blocks a tile, taken where its estimate is at most wgrad_tall_gain of the best 128-row
+    # tile's (H200: 0.95-0.98x the time there; 1.03-1.10x at estimates of 0.991-0.994, 1.02x at 8 k blocks).
+    tile_us_wgrad: tuple = (((192, 128), (1.43, 0.636)),)
+    wgrad_tall_min_kb: int = 16
+    wgrad_tall_gain: float = 0.985
     # One row of 128-row tiles: 64-row tiles of up to narrow_rows_max_bn columns where they stream at most
     # narrow_rows_gain of the fill per CTA.
     narrow_rows_max_bn: int = 64
@@ -167,11 +173,11 @@ def max_stages(bm: int, bn: int, budget: int, layout: str = NORMAL) -> int:
 
 def _tile_us(bm: int, bn: int, k_blocks: int, layout: str, tuning: Fp8Tuning) -> float:
     """Estimated time of one BM x BN tile over `k_blocks` k blocks (tile_us, else scaled from 128 x 128)."""
-    table = dict(tuning.tile_us)
-    if layout != KGROUPED and (bm, bn) in table:
+    table = dict(tuning.tile_us_wgrad if layout == KGROUPED else tuning.tile_us)
+    if (bm, bn) in table:
         fixed, per_kb = table[bm, bn]
     else:
-        fixed, per_kb = table[128, 128]
+        fixed, per_kb = dict(tuning.tile_us)[128, 128]
         rel = dict(tuning.bn_cost_wgrad if layout == KGROUPED else tuning.bn_cost)[bn]
         fixed, per_kb = fixed * bn / 128, per_kb * bn / 128 * rel
     return fixed + per_kb * k_blocks
@@ -276,8 +282,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         if bm not in (64, 128, 192, 256) or bn % 16 or not 16 <= bn <= (128 if bm >= 192 else MAX_BN):
             raise ValueError(f"force_tile {(bm, bn)}: BM is 64, 128, 192 or 256 and BN a multiple of 16 up to "
                              f"{MAX_BN} (128 for 192 and 256 rows)")
-        if bm == 192 and layout not in (NORMAL, CONTIGUOUS):
-            raise ValueError("force_tile: 192-row tiles are for the normal and contiguous layouts only")
+        if bm == 192 and layout == MASKED:
+            raise ValueError("force_tile: 192-row tiles are for the normal, contiguous and K-grouped layouts")
         splits = t.force_splits or 1
         if splits > 1 and (bm > 128 or splits > 8 or layout != NORMAL):
             raise ValueError(f"force_splits {splits}: split-K takes tiles of at most 128 rows, 2..8 slices, "
@@ -287,20 +293,26 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         widths = dict(t.bn_cost_wgrad) if layout == KGROUPED else {*dict(t.bn_cost), *(b for (a, b), _ in t.tile_us
                                                                                           if a == 128)}
         cands = [(128, b) for b in widths if b <= top]
-        tall = {NORMAL: m >= 512, MASKED: m >= 256, CONTIGUOUS: True, KGROUPED: False}[layout]
+        tall = {NORMAL: m >= 512, MASKED: m >= 256, CONTIGUOUS: True, KGROUPED: k_blocks >= t.wgrad_tall_min_kb}[layout]
         def tall_fits(tbm):
             return tall and (layout != CONTIGUOUS or fits_segments(tbm, alignment))
-        if tall_fits(256):
+        if tall_fits(256) and layout != KGROUPED:
             cands.append((256, 128))
-        if tall_fits(192) and layout != MASKED and (192, 128) in dict(t.tile_us):  # (masked: not measured)
+        if tall_fits(192) and layout != MASKED and (192, 128) in dict(  # (masked: not measured)
+                t.tile_us_wgrad if layout == KGROUPED else t.tile_us):
             cands.append((192, 128))
 
         def cost(c):
             tbm, tbn = c
             straddling = int(groups * _straddles(tbm, alignment)) if layout == CONTIGUOUS else 0
-            tiles = (-(-m_all // tbm) + straddling) * -(-n // tbn)
+            rows = groups * -(-m // tbm) if layout == KGROUPED else -(-m_all // tbm) + straddling
+            tiles = rows * -(-n // tbn)
             return -(-tiles // props.sm_count) * _tile_us(tbm, tbn, k_blocks, layout, t), -tbn, tbm
         bm, bn = min(cands, key=cost)
+        if (bm, bn) == (192, 128) and layout == KGROUPED:  # (near ties went to the 128-row tiles, measured)
+            rival = min((c for c in cands if c[0] == 128), key=cost)
+            if cost((bm, bn))[0] > t.wgrad_tall_gain * cost(rival)[0]:
+                bm, bn = rival
         tiles_m = -(-m_all // bm)
         # Tiles that leave half the SMs idle (small N at a few rows of tiles): a 2-way split fills them (H100, 69
         # shapes at M 136..1000, all faster: 192x1536x7168 18.1 -> 12.1 us, 512x256x16384 37.5 -> 17.4; where the
@@ -401,12 +413,15 @@ def _bench_configs(props):
 
 def variants():
     """Every kernel variant the heuristic picks for the benchmark shapes on an H100 and an H200, for two M that are
-    not multiples of the tile (the edge maps' shapes; their picks differ from the bench's), and for a 128-row tile
-    that loads its scales at the wgmma issue (no benchmark shape picks one)."""
+    not multiples of the tile (the edge maps' shapes; their picks differ from the bench's), for a 128-row tile
+    that loads its scales at the wgmma issue (no benchmark shape picks one), and for the weight gradient's 128 x
+    192 and 128 x 256 tiles (short K a group: the benchmark's take 192 x 128)."""
     from ..runtime.driver import H100, H200
 
     seen = {}
     ragged = [pick_config(m, 4096, 7168, H100) for m in (160, 1000)] + [pick_config(250, 5120, 7168, H100)]
+    ragged += [pick_config(7168, 2048, 16 * 1024, H100, KGROUPED, 16),
+               pick_config(2048, 2048, 4 * 1024, H100, KGROUPED, 4)]
     for cfg in list(_bench_configs(H100)) + list(_bench_configs(H200)) + ragged:
         d = _defines(cfg)
         seen[tuple(sorted(d.items()))] = ("gemm_fp8.cu", "gemm_fp8_kernel", d, cfg.smem)
