@@ -456,7 +456,7 @@ def test_wgrad_192_row_tiles_from_16_k_blocks(props):
     """The weight gradient takes 192 x 128 tiles (three consumers) where waves x tile_us_wgrad is at most
     wgrad_tall_gain of the best 128-row tile's, from 16 k blocks a tile. 8 experts x 4096 tokens, M 7168, N 2048:
     8 x 38 x 16 = 4864 tiles, 37 waves x (1.43 + 32 x 0.636) = 806 us against 128 x 192's 8 x 56 x 11 = 4928, 38
-    waves x (1.68 + 32 x 0.655) = 861: 0.936 (H200, 2026-11-29, same rounds: 0.952x the time, bitwise equal).
+    waves x (1.68 + 32 x 0.655) = 861: 0.936 (H200, 2026-11-28, same rounds: 0.952x the time, bitwise equal).
     M 2048, N 7168: 0.988, and M 4096, N 7168 (4 x 8192): 0.992, stay 128 x 192 (measured 0.999x and 0.992x)."""
     def tile(g_, tokens, m, n):
         cfg = f.pick_config(m, n, g_ * tokens, props, f.KGROUPED, g_)
