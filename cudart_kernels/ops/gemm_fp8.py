@@ -307,12 +307,11 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
             straddling = int(groups * _straddles(tbm, alignment)) if layout == CONTIGUOUS else 0
             rows = groups * -(-m // tbm) if layout == KGROUPED else -(-m_all // tbm) + straddling
             tiles = rows * -(-n // tbn)
-            return -(-tiles // props.sm_count) * _tile_us(tbm, tbn, k_blocks, layout, t), -tbn, tbm
+            est = -(-tiles // props.sm_count) * _tile_us(tbm, tbn, k_blocks, layout, t)
+            if layout == KGROUPED and tbm == 192:  # (near ties went to the 128-row tiles, measured)
+                est /= t.wgrad_tall_gain
+            return est, -tbn, tbm
         bm, bn = min(cands, key=cost)
-        if (bm, bn) == (192, 128) and layout == KGROUPED:  # (near ties went to the 128-row tiles, measured)
-            rival = min((c for c in cands if c[0] == 128), key=cost)
-            if cost((bm, bn))[0] > t.wgrad_tall_gain * cost(rival)[0]:
-                bm, bn = rival
         tiles_m = -(-m_all // bm)
         # Tiles that leave half the SMs idle (small N at a few rows of tiles): a 2-way split fills them (H100, 69
         # shapes at M 136..1000, all faster: 192x1536x7168 18.1 -> 12.1 us, 512x256x16384 37.5 -> 17.4; where the
