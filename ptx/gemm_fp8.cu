@@ -519,11 +519,11 @@ __device__ __forceinline__ void store_tile(float (&acc)[SUBS][ACC], const GemmTi
 
 // tm_a / tm_b: boxes {128, rows a CTA loads of the tile} (halves when shared), 128-byte swizzle; tm_a_edge /
 // tm_b_edge: the same tensors with boxes of a group's rows of A (N) modulo those rows (tma_load_rows); tm_sa: the
-// M-major scales of A as a [K/128][M] fp32 tensor, box {BM, 1}; tm_sb (LAYOUT_KGROUPED): B's as [K/128][N], box
-// {BN, 1}; tm_d: D in bf16 (fp32 for LAYOUT_KGROUPED), box {CH, 64}, swizzle CH * OUT_BYTES. tile_list
-// (TILE_LIST): the tiles' entries, written by contiguous_tiles.cu's kernel just before this one. d / ld_d: D for
-// the direct writes. M, N, K: one group's GEMM (LAYOUT_CONTIGUOUS: M counts all rows; LAYOUT_KGROUPED: K counts
-// all groups').
+// M-major scales of A as a [K/128][M] fp32 tensor (LAYOUT_MASKED: groups of M rounded up to 4 rows), box {BM, 1};
+// tm_sb (LAYOUT_KGROUPED): B's as [K/128][N], box {BN, 1}; tm_d: D in bf16 (fp32 for LAYOUT_KGROUPED), box
+// {CH, 64}, swizzle CH * OUT_BYTES. tile_list (TILE_LIST): the tiles' entries, written by contiguous_tiles.cu's
+// kernel just before this one. d / ld_d: D for the direct writes. M, N, K: one group's GEMM (LAYOUT_CONTIGUOUS: M
+// counts all rows; LAYOUT_KGROUPED: K counts all groups').
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
     const __grid_constant__ CUtensorMap_st tm_a, const __grid_constant__ CUtensorMap_st tm_b,
     const __grid_constant__ CUtensorMap_st tm_a_edge, const __grid_constant__ CUtensorMap_st tm_b_edge,
@@ -553,21 +553,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
 
   if (wg == 0) {  // ---- producer: one thread issues the loads (A, B, this k block's scales) ----
     regs_decrease<PRODUCER_REGS>();
-    const int a_rows = LAYOUT == LAYOUT_MASKED ? groups * M : M;  // rows of A's and B's (flattened) maps
-    const int b_rows = LAYOUT == LAYOUT_MASKED || LAYOUT == LAYOUT_CONTIGUOUS ? groups * N : N;
     if (tid == 0) {
       Pipe st;
       for (int unit = sched.first; sched.more(unit); unit = sched.next(unit)) {
         const GemmTile t = sched.tile(unit);
         if (t.skip) continue;
+        // (the masked layout's scales: each group's padded to a multiple of 4 rows, 16 bytes, by the host)
+        const int sa_row = LAYOUT == LAYOUT_MASKED ? t.g * ((M + 3) & ~3) + t.m0 : t.a_row;
         for (int kb = t.kb0; kb < t.kb1; ++kb) {
-          const int ab_rows = rows_in_bounds(t.a_row, BM, a_rows) + rows_in_bounds(t.b_row, BN, b_rows);
+          // A box across its group's last row loads the rows left (the edge map's box: the host sizes it from a
+          // group's rows), not the next group's: the bytes announced are those rows.
+          const int ab_rows = rows_in_bounds(t.a_row, BM, t.a_end) + rows_in_bounds(t.b_row, BN, t.b_end);
           u64* bar = ring.acquire(st, ab_rows * 128 + SA_STAGE + SB_BYTES);
           tma_load_rows<a_sharers(MCAST)>(smem + st.stage * A_STAGE, &tm_a, &tm_a_edge, bar, kb * BK, t.a_row, BM,
-                                          a_rows, rank);
+                                          t.a_end, rank);
           tma_load_rows<b_sharers(MCAST), STREAM_B>(smem + SMEM_B + st.stage * B_STAGE, &tm_b, &tm_b_edge, bar,
-                                                    kb * BK, t.b_row, BN, b_rows, rank);
-          tma_load_2d(smem + SMEM_SA + st.stage * SA_STAGE, &tm_sa, bar, t.a_row, kb);
+                                                    kb * BK, t.b_row, BN, t.b_end, rank);
+          tma_load_2d(smem + SMEM_SA + st.stage * SA_STAGE, &tm_sa, bar, sa_row, kb);
           if (WGRAD) tma_load_2d(smem + SMEM_SB + st.stage * SB_STAGE, &tm_sb, bar, t.n0, kb);
           st.advance();
         }

@@ -169,6 +169,15 @@ for mode in (g.MCAST_NONE, g.MCAST_SHARE_A):
     qm = DeviceArray(qa3.ptr, (2, 192, 528), qa3.dtype, None, qa3.device, owner=qa3)
     sm = DeviceArray(sa3.ptr, (2, 192, 5), sa3.dtype, (1 * 192, 1, sa3.strides[1]), sa3.device, owner=sa3)
     d = ck.gemm_fp8_grouped_masked(qm, sm, qw3, sw3, DeviceArray.from_numpy(np.array([70, 192], np.int32)), tuning=t)
+    # groups of fewer rows than half a tile (boxes that stop at their own group's last row), and of a row count
+    # not a multiple of 4 (scales copied, each group's padded to 16 bytes)
+    q4 = DeviceArray(qa3.ptr, (4, 5, 528), qa3.dtype, None, qa3.device, owner=qa3)
+    s4 = DeviceArray(sa3.ptr, (4, 5, 5), sa3.dtype, (5, 1, sa3.strides[1]), sa3.device, owner=sa3)
+    w4 = DeviceArray(qw3.ptr, (4, 128, 528), qw3.dtype, None, qw3.device, owner=qw3)
+    sw4 = DeviceArray.from_numpy(np.ones((4, 1, 5), np.float32))
+    d4 = ck.gemm_fp8_grouped_masked(q4, s4, w4, sw4, DeviceArray.from_numpy(np.array([5, 3, 0, 5], np.int32)),
+                                    tuning=t)
+    assert np.isfinite(d4.numpy()[0].astype(np.float32)).all()
     dw = DeviceArray.from_numpy(np.zeros((2, 136, 132), np.float32))
     qa_t, sa_t = ck.quantize_fp8_per_token(DeviceArray.from_numpy(rng.standard_normal((136, 384)).astype(np.float32)))
     qb_t, sb_t = ck.quantize_fp8_per_token(DeviceArray.from_numpy(rng.standard_normal((132, 384)).astype(np.float32)))

@@ -720,13 +720,61 @@ def test_grouped_masked(rng, shape, mode):
     _run_masked(rng, m, n, k, masked, forced(mode))
 
 
-def _run_masked(rng, m, n, k, masked, tuning=None):
-    """A masked GEMM of len(masked) groups of M rows on fresh data: the counted rows right, the others untouched."""
-    groups = len(masked)
-    a, sa = _e4m3(rng, (groups, m, k)), _scales(rng, (groups, m, -(-k // 128)))
-    b, sb = _e4m3(rng, (groups, n, k)), _scales(rng, (groups, -(-n // 128), -(-k // 128)))
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, tile", [((4, 1, 32, 96), None), ((6, 20, 264, 1040), (64, 128)),
+                                         ((5, 40, 520, 512), (128, 128)), ((3, 100, 136, 256), (256, 128)),
+                                         ((4, 64, 16, 256), (64, 64)), ((3, 200, 24, 384), (128, 128)),
+                                         ((7, 33, 136, 640), None), ((2, 6, 264, 128), None)],
+                         ids=lambda s: "x".join(map(str, s)) if s else "pick")
+@pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_B, g.MCAST_SHARE_A])
+@pytest.mark.parametrize("scales", ["rowmajor", "mmajor"])
+def test_grouped_masked_short_groups(rng, shape, tile, mode, scales):
+    """Groups of fewer rows (of A: M, of B: N) than half a tile, so that the tiles of several groups cross the
+    last row of all groups: each box stops at its own group's last row (the bytes its barrier expects); and M not
+    a multiple of 4, where each group's scales start off a 16-byte boundary unless padded (until 2026-11-29 both
+    faulted, e.g. G = 4, M = 1)."""
+    groups, m, n, k = shape
+    masked = np.full(groups, m, np.int32)
+    masked[1] = m // 2
+    _run_masked(rng, m, n, k, masked, forced(mode, tile), mmajor=scales == "mmajor")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_A])
+def test_grouped_contiguous_narrower_than_a_tile(rng, mode):
+    """N of less than half the tile's columns: the B tiles of several experts cross the last row of B."""
+    n, k, align = 24, 512, 64
+    ids = np.repeat(np.array([0, 1, 2, 3, -1, 4], np.int32), align)
+    groups, m = 5, len(ids)
+    tuning = forced(mode, (64, 128))
+    a, sa = _e4m3(rng, (m, k)), _scales(rng, (m, k // 128))
+    b, sb = _e4m3(rng, (groups, n, k)), _scales(rng, (groups, 1, k // 128))
+    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
+    ck.gemm_fp8_grouped_contiguous(DeviceArray.from_numpy(a), DeviceArray.from_numpy(sa), DeviceArray.from_numpy(b),
+                                   DeviceArray.from_numpy(sb), DeviceArray.from_numpy(ids), out, alignment=align,
+                                   tuning=tuning)
+    got = out.numpy().astype(np.float64)
+    for e in range(groups):
+        rows = ids == e
+        assert _rel_err(got[rows], _deq_rows(a[rows], sa[rows]) @ _deq_blocks(b[e], sb[e]).T) <= 5e-3, e
+    assert np.isnan(got[ids < 0]).all()
+    assert {p.cfg.bn for p in plans_under(tuning)} == {128}
+
+
+def _run_masked(rng, m, n, k, masked, tuning=None, mmajor=False):
+    """A masked GEMM of len(masked) groups of M rows on fresh data: the counted rows right, the others untouched.
+    `mmajor`: the scales as the quantizer lays out [G * M, K/128] (M-major over all groups), else row-major."""
+    groups, kb = len(masked), -(-k // 128)
+    a, sa = _e4m3(rng, (groups, m, k)), _scales(rng, (groups, m, kb))
+    b, sb = _e4m3(rng, (groups, n, k)), _scales(rng, (groups, -(-n // 128), kb))
     out = DeviceArray.empty((groups, m, n), "bf16").fill_bytes(0xFF)
-    ck.gemm_fp8_grouped_masked(DeviceArray.from_numpy(a), DeviceArray.from_numpy(sa), DeviceArray.from_numpy(b),
+    if mmajor:
+        flat, keep = _mmajor(sa.reshape(groups * m, kb))
+        sa_dev = DeviceArray.from_pointer(flat.ptr, (groups, m, kb), "fp32", (m, 1, flat.strides[1]),
+                                          device=flat.device)
+    else:
+        sa_dev = DeviceArray.from_numpy(sa)
+    ck.gemm_fp8_grouped_masked(DeviceArray.from_numpy(a), sa_dev, DeviceArray.from_numpy(b),
                                DeviceArray.from_numpy(sb), DeviceArray.from_numpy(masked), out, tuning=tuning)
     got = out.numpy().astype(np.float64)
     for e in range(groups):

@@ -26,7 +26,7 @@ _ARGS = ("tmap", "tmap", "tmap", "tmap", "tmap", "tmap", "tmap", "ptr", "i64", "
          "i64", "i32", "i32", "i32", "i32", "i32")
 # ptx/gemm_fp8.cu LAYOUT values
 NORMAL, CONTIGUOUS, MASKED, KGROUPED = "LAYOUT_NORMAL", "LAYOUT_CONTIGUOUS", "LAYOUT_MASKED", "LAYOUT_KGROUPED"
-_CONVERT_ARGS = ("ptr", "i64", "i64", "ptr", "i64", "i32", "i32")
+_CONVERT_ARGS = ("ptr", "i64", "i64", "ptr", "i64", "i32", "i32", "i32", "i32")
 _CONVERT_THREADS = 256
 _FILL_ARGS = ("ptr", "i32", "i32[512]")  # ptx/fill.cu
 _FILL_MAX = 512
@@ -443,18 +443,24 @@ class _MMajor:
     """How a kernel gets [rows, G] scales M-major: in place (convert None) or through a copy of leading
     dimension `ld` made by `convert` (one extra launch)."""
     ld: int
-    convert: object
-    grid: tuple
-    strides: tuple = ()  # the source's (row, column) strides, for the copy
-    shape: tuple = ()
+    rows: int  # rows of the M-major layout (the masked layout's groups padded to multiples of 4 rows)
+    convert: object = None
+    grid: tuple = ()
+    args: tuple = ()  # the copy's: the source's (row, column) strides, then (rows, G, rows a group, padded)
 
 
-def _mmajor_plan(sv: DeviceArray, device: int) -> _MMajor:
-    rows, groups = sv.shape
-    if _mmajor_ok(sv, rows):
-        return _MMajor(sv.strides[1] if groups > 1 else mmajor_stride(rows), None, ())
+def _mmajor_plan(sv: DeviceArray, device: int, group_rows: int = 0) -> _MMajor:
+    """`group_rows`: the masked layout's rows per group. TMA starts a box of the inner dimension only at a 16-byte
+    boundary, so each group's scales must start at a multiple of 4 rows: a copy pads the groups where not."""
+    rows, cols = sv.shape
+    per = group_rows if 0 < group_rows < rows and group_rows % 4 else rows
+    if per == rows and _mmajor_ok(sv, rows):
+        return _MMajor(sv.strides[1] if cols > 1 else mmajor_stride(rows), rows)
     convert = get_launcher("fp8_scales.cu", "scales_to_mmajor", {}, device, _CONVERT_ARGS, (_CONVERT_THREADS,))
-    return _MMajor(mmajor_stride(rows), convert, (-(-rows * groups // _CONVERT_THREADS), 1, 1), sv.strides, sv.shape)
+    pad = mmajor_stride(per) if per != rows else rows
+    padded = rows // per * pad
+    return _MMajor(mmajor_stride(padded), padded, convert, (-(-rows * cols // _CONVERT_THREADS), 1, 1),
+                   (*sv.strides, rows, cols, per, pad))
 
 
 def _scales_ptr(mm: _MMajor, ptr: int, slots, h: int) -> int:
@@ -463,7 +469,8 @@ def _scales_ptr(mm: _MMajor, ptr: int, slots, h: int) -> int:
     if mm.convert is None:
         return ptr
     slot_ptr = next(slots)
-    mm.convert(mm.grid, h, ptr, *mm.strides, slot_ptr, mm.ld, *mm.shape)
+    in_row, in_col, *dims = mm.args
+    mm.convert(mm.grid, h, ptr, in_row, in_col, slot_ptr, mm.ld, *dims)
     return slot_ptr
 
 
@@ -559,10 +566,10 @@ def _make_plan(layout, av, sav, bv, sbv, dv, sb_strides, m, n, k, groups, alignm
     map_a = MapLayout(dt.float8_e4m3, (k, av.shape[0]), (av.strides[0],), (BK, a_box), 128)
     map_b = MapLayout(dt.float8_e4m3, (k, bv.shape[0]), (bv.strides[0],), (BK, b_box), 128)
     scratch = []
-    sa = _mmajor_plan(sav, av.device)
+    sa = _mmajor_plan(sav, av.device, m if layout == MASKED else 0)
     if sa.convert is not None:
         scratch.append(("fp8_sa_mmajor", sa.ld * sav.shape[1] * 4, False))
-    map_sa = MapLayout(dt.float32, (sav.shape[0], kb), (sa.ld * 4,), (cfg.bm, 1), 0)
+    map_sa = MapLayout(dt.float32, (sa.rows, kb), (sa.ld * 4,), (cfg.bm, 1), 0)
     sb = map_sb = None
     if layout == KGROUPED:
         sb = _mmajor_plan(sbv, av.device)
@@ -742,7 +749,9 @@ def gemm_fp8_grouped_masked(a, sa, b, sb, masked_m, out=None, *, stream=None, tu
     a: [G, M, K] e4m3, sa: [G, M, ceil(K/128)] fp32, b: [G, N, K] e4m3, sb: [G, ceil(N/128), ceil(K/128)] fp32,
     masked_m: [G] int32 on the GPU (read by the kernel: no host sync, CUDA-graph friendly; values above M count as
     M), out: [G, M, N] bf16. Rows from masked_m[g] on are neither computed (whole tiles skipped) nor written. The
-    groups of a, sa (as [G * M, ...]) and out must follow each other in memory.
+    groups of a, sa (as [G * M, ...]) and out must follow each other in memory. Scales as for `gemm_fp8`; where M
+    is not a multiple of 4 (and G > 1) they are always copied, each group's padded to a multiple of 4 rows (TMA
+    loads them from 16-byte boundaries only).
     """
     av, sav, bv, sbv, iv, dv, h, native = call_arrays((a, sa, b, sb, masked_m, out), stream)
     key = _key(MASKED, tuning, av, sav, bv, sbv, iv, dv)

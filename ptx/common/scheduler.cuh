@@ -46,6 +46,7 @@ struct GemmTile {
   int m0, n0;        // tile origin in D's rows (of its group) and columns
   int g;             // group
   int a_row, b_row;  // first row of the A and B tiles in their (flattened) maps
+  int a_end, b_end;  // where their rows end: the group's last row + 1 where the groups' rows follow each other
   int d_row;         // first row of the tile in D's (flattened) map
   int kb0, kb1;      // k blocks [kb0, kb1)
   int split;         // split-K slice (units of `splits` slices)
@@ -120,6 +121,8 @@ struct GemmScheduler : PersistentUnits {
     t.n0 = t.tn * TILE_N;
     t.a_row = t.d_row = t.m0;
     t.b_row = t.n0;
+    t.a_end = M;
+    t.b_end = N;
     t.kb0 = t.split * k_blocks / splits;
     t.kb1 = (t.split + 1) * k_blocks / splits;
     t.rows = M;
@@ -132,10 +135,12 @@ struct GemmScheduler : PersistentUnits {
       t.g = e.y;
       t.m0 = t.a_row = t.d_row = t.tm * TILE_M;
       t.b_row = t.g * N + t.n0;
+      t.b_end = (t.g + 1) * N;
     } else if constexpr (ORDER == LAYOUT_CONTIGUOUS) {  // each group's rows start at a multiple of TILE_M
       t.g = __ldg(info + min(t.m0, M - 1));
       t.skip = t.g < 0 || t.g >= groups;  // (-1: padding; an id past the groups alike)
       t.b_row = max(t.g, 0) * N + t.n0;
+      t.b_end = (max(t.g, 0) + 1) * N;
       // The tile lies in one segment (its group's rows, then padding): the group's alone when its last row is.
       t.whole = t.m0 + TILE_M <= M && __ldg(info + t.m0 + TILE_M - 1) == t.g;
     } else if constexpr (ORDER == LAYOUT_MASKED) {
@@ -145,6 +150,8 @@ struct GemmScheduler : PersistentUnits {
       t.whole = t.m0 + TILE_M <= t.rows;
       t.a_row = t.d_row = t.g * M + t.m0;
       t.b_row = t.g * N + t.n0;
+      t.a_end = (t.g + 1) * M;
+      t.b_end = (t.g + 1) * N;
     } else if constexpr (ORDER == LAYOUT_KGROUPED) {
       t.kb0 = __ldg(info + t.g) / TILE_K;
       t.kb1 = __ldg(info + t.g + 1) / TILE_K;
