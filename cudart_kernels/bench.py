@@ -579,17 +579,21 @@ def _dg_check(torch, label: str, ours, theirs, valid):
     return err
 
 
-def _times_with_dg(torch, runs, dg_run, label: str, n_sets: int = 1, iters: int = 20):
-    """graph_times_us of `runs` plus DeepGEMM's run (where given) in the same alternating rounds: (the runs'
-    times, DeepGEMM's or 0.0). Where DeepGEMM's run fails there, one line, and `runs` are timed again alone."""
+def _times_with_dg(torch, runs, dg_run, label: str, n_sets: int = 1, iters: int = 20, peers: int = 0):
+    """graph_times_us of `runs` and DeepGEMM's run (where given): (the runs' times, DeepGEMM's or 0.0). `runs[:peers]`
+    are other peers (cuBLAS, torch), the rest ours. With DeepGEMM, ours take turns with it alone and the other peers
+    get rounds of their own: at the power cap a kernel runs faster after a lighter one, and a third kernel in the
+    rounds would precede ours every other turn and DeepGEMM never (graph_times_us reverses the order each round).
+    Where DeepGEMM's run fails there, one line, and `runs` are timed again together."""
     if dg_run is not None:
         try:
-            *times, dg_us = graph_times_us(torch, list(runs) + [dg_run], n_sets, iters=iters)
-            return times, dg_us
+            *ours, dg_us = graph_times_us(torch, list(runs[peers:]) + [dg_run], n_sets, iters=iters)
         except Exception as e:  # noqa: BLE001
             print(f"DeepGEMM peer failed on {label} in the timed graphs: {type(e).__name__}: {_first_line(e)}; "
                   "timing the row without it")
             torch.cuda.synchronize()
+        else:
+            return (graph_times_us(torch, list(runs[:peers]), n_sets, iters=iters) if peers else []) + ours, dg_us
     return graph_times_us(torch, list(runs), n_sets, iters=iters), 0.0
 
 
@@ -799,7 +803,7 @@ def bench_gemm_fp8(quick: bool = False, device: int = 0) -> list[Row]:
             if err is not None:
                 dg_run = lambda i, s: dg.gemm(*ops[i], d[i])  # noqa: E731
         (peer, ours), dg_us = _times_with_dg(torch, [blockwise, lambda i, s: gemm_fp8(*ops[i], d[i], stream=s)],
-                                             dg_run, label, sets, iters=iters)
+                                             dg_run, label, sets, iters=iters, peers=1)
         tensorwise_us = graph_time_us(torch, tensorwise, sets, iters=iters)  # context: not in the peer's turns
         rows.append(_dg_columns(Row("gemm_fp8", f"{m}x{n}x{k}", ours, gbytes=nbytes / 1e9, tflops=2 * m * n * k / 1e12,
                                     peer="cuBLAS blockwise", peer_us=peer), dg_us, err, dg and dg.names["normal"]))
@@ -907,7 +911,7 @@ def bench_gemm_fp8_grouped(quick: bool = False, device: int = 0) -> list[Row]:
         (peer, ours, ours128), dg_us = _times_with_dg(torch, [
             lambda i, s: torch._grouped_mm(a16, b16.transpose(-2, -1), offs=offs),
             lambda i, s: gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, d, alignment=256, stream=s),
-            lambda i, s: gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, d, stream=s)], dg_run, case)
+            lambda i, s: gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, d, stream=s)], dg_run, case, peers=1)
         call = dg.names.get("contiguous") if dg is not None else None
         out_rows.append(_dg_columns(Row("gemm_fp8_contiguous", f"{case}, alignment=256", ours, tflops=flop,
                                         peer="torch._grouped_mm BF16", peer_us=peer), dg_us, err, call))
@@ -1001,7 +1005,7 @@ def bench_gemm_fp8_grouped(quick: bool = False, device: int = 0) -> list[Row]:
                 dg_run = lambda i, s: dg.wgrad(a_dg, sa_dg, b_dg, sb_dg, d, ks, ks_tensor)  # noqa: E731
         (peer, ours), dg_us = _times_with_dg(torch, [lambda i, s: torch._grouped_mm(a16, b16.t(), offs=offs),
                                                      lambda i, s: gemm_fp8_wgrad(a, sa, b, sb, d, ks, stream=s)],
-                                             dg_run, case)
+                                             dg_run, case, peers=1)
         out_rows.append(_dg_columns(Row("gemm_fp8_wgrad", case, ours, tflops=2 * m * n * k / 1e12,
                                         peer="torch._grouped_mm BF16 (K groups)", peer_us=peer), dg_us, err,
                                     dg.names.get("wgrad") if dg is not None else None))
