@@ -10,6 +10,7 @@ A run of 1700 cases on an H200 (2026-11-29) found the masked GEMM's faults at M 
 tests missed.
 """
 import argparse
+import itertools
 import math
 import random
 import sys
@@ -63,6 +64,35 @@ def pick(lo, hi, align=1, skew=True):
     return -(-x // align) * align
 
 
+def maybe_strided(x):
+    """x, or the same values in a slice of a wider tensor (rows further apart, 16-byte aligned): the layout of a
+    fused projection's output"""
+    if rng.random() < 0.7 or x.dim() != 2:
+        return x
+    pad = 16 // x.element_size() * rng.randint(1, 8)
+    wide = torch.empty(x.shape[0], x.shape[1] + pad, device=dev, dtype=x.dtype)
+    wide.view(torch.uint8 if x.element_size() == 1 else torch.int16 if x.element_size() == 2 else torch.int32).fill_(
+        {1: 0x7F, 2: 0x7FFF, 4: 0x7FFFFFFF}[x.element_size()])  # NaN in e4m3, bf16 / fp16 and fp32
+    off = rng.choice([0, pad])
+    wide[:, off:off + x.shape[1]] = x
+    return wide[:, off:off + x.shape[1]]
+
+
+def only_view_written(out):
+    """out finite, and where out is a slice of a wider tensor, the rest of that tensor still NaN"""
+    base = out if out._base is None else out._base
+    return torch.isfinite(out).all().item() and torch.isnan(base).sum().item() == base.numel() - out.numel()
+
+
+def maybe_side_stream():
+    """None (the current stream) or a fresh side stream, after the current one's work; the caller syncs on it"""
+    if rng.random() < 0.75:
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    return side
+
+
 def fp8_operands(rows, k):
     q = (torch.randn(rows, k, device=dev) * 2).to(E4)
     s = torch.rand(rows, -(-k // 128), device=dev) + 0.25
@@ -93,17 +123,23 @@ def case_gemm():
     b = torch.randn(k, n, device=dev, dtype=dtype) if kn else torch.randn(n, k, device=dev, dtype=dtype)
     use_c = rng.random() < 0.25
     c = torch.randn(m, n, device=dev, dtype=out_dtype) if use_c else None
-    out = torch.full((m, n), float("nan"), device=dev, dtype=out_dtype)
+    a, b = maybe_strided(a), maybe_strided(b)
+    out = maybe_strided(torch.full((m, n), float("nan"), device=dev, dtype=out_dtype))
     det = rng.random() < 0.2
-    note("gemm", f"{m}x{n}x{k} {dtype} kn={kn} out={out_dtype} c={use_c} det={det}")
-    ck.gemm(a, b, out=out, c=c, b_layout="kn" if kn else "nk", deterministic=det)
+    side = maybe_side_stream()
+    note("gemm", f"{m}x{n}x{k} {dtype} kn={kn} out={out_dtype} c={use_c} det={det} side={side is not None} "
+         f"lda={a.stride(0)} ldb={b.stride(0)} ldd={out.stride(0)}")
+    ck.gemm(a, b, out=out, c=c, b_layout="kn" if kn else "nk", deterministic=det, stream=side)
+    if side is not None:
+        side.synchronize()
     ref = a.float() @ (b.float() if kn else b.float().t())
     if use_c:
         ref += c.float()
     e = rel(out, ref)
     tol = 2e-2 if out_dtype != torch.float32 else 1e-3
-    record("gemm", f"{m}x{n}x{k} {dtype} kn={kn} out={out_dtype} c={use_c} det={det}",
-           torch.isfinite(out).all().item() and e < tol, f"rel {e:.2e}")
+    record("gemm", f"{m}x{n}x{k} {dtype} kn={kn} out={out_dtype} c={use_c} det={det} lda={a.stride(0)} "
+           f"ldb={b.stride(0)} ldd={out.stride(0)} side={side is not None}",
+           only_view_written(out) and e < tol, f"rel {e:.2e}")
 
 
 def case_gemm_acc():
@@ -132,12 +168,17 @@ def case_fp8():
         sa_arg = buf.t()[:m]
     else:
         sa_arg = sa
-    out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
-    note("fp8", f"{m}x{n}x{k} mmajor={mmajor}")
-    ck.gemm_fp8(qa, sa_arg, qb, sb, out)
+    qa_arg = maybe_strided(qa)
+    out = maybe_strided(torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16))
+    side = maybe_side_stream()
+    note("fp8", f"{m}x{n}x{k} mmajor={mmajor} lda={qa_arg.stride(0)} ldd={out.stride(0)} side={side is not None}")
+    ck.gemm_fp8(qa_arg, sa_arg, qb, sb, out, stream=side)
+    if side is not None:
+        side.synchronize()
     ref = deq_rows(qa, sa) @ deq_blocks(qb, sb).t()
     e = rel(out, ref)
-    record("gemm_fp8", f"{m}x{n}x{k} mmajor={mmajor}", torch.isfinite(out).all().item() and e < 1e-2, f"rel {e:.2e}")
+    record("gemm_fp8", f"{m}x{n}x{k} mmajor={mmajor} lda={qa_arg.stride(0)} ldd={out.stride(0)}",
+           only_view_written(out) and e < 1e-2, f"rel {e:.2e}")
 
 
 def case_contiguous():
@@ -263,41 +304,86 @@ def sdpa_ref(q, k, v, causal, scale):  # [B, S, H, D] -> out [B, S, H, D] fp32, 
     return (p @ vf).transpose(1, 2)
 
 
+def attention_inputs(b, sq, sk, hq, hk, d, dtype, layout):
+    """q [B, S_q, H_q, D], k, v [B, S_k, H_kv, D] in a layout: dense; slices of one fused QKV projection
+    (S_q = S_k); torch's [B, H, S, D] seen through .transpose(1, 2)"""
+    if layout == "fused":
+        qkv = torch.randn(b, sq, hq + 2 * hk, d, device=dev, dtype=dtype)
+        return qkv[:, :, :hq], qkv[:, :, hq:hq + hk], qkv[:, :, hq + hk:]
+    if layout == "bhsd":
+        return (torch.randn(b, h, s, d, device=dev, dtype=dtype).transpose(1, 2)
+                for h, s in ((hq, sq), (hk, sk), (hk, sk)))
+    return (torch.randn(b, s, h, d, device=dev, dtype=dtype) for h, s in ((hq, sq), (hk, sk), (hk, sk)))
+
+
 def case_attention(backward):
     from cudart_kernels.ops import attention as fa, attention_bwd as fb
     d = rng.choice((fb if backward else fa).HEAD_DIMS)
     hk = rng.choice([1, 2, 4, 8])
     hq = hk * rng.choice([1, 1, 2, 4, 8])
-    b = rng.choice([1, 1, 2, 3])
+    b = rng.choice([1, 1, 2, 3, 5])
+    layout = rng.choice(["dense", "dense", "fused", "bhsd", "varlen", "varlen"])
     sq = pick(1, 4096)
-    sk = sq if rng.random() < 0.6 else pick(1, 4096)
+    sk = sq if rng.random() < 0.6 or layout == "fused" else pick(1, 4096)
     while b * hq * sq * sk * d > 4e10:
         sq = max(1, sq // 2)
-        sk = max(1, sk // 2)
+        sk = sq if layout == "fused" else max(1, sk // 2)
     causal = rng.random() < 0.5
     dtype = rng.choice([torch.bfloat16, torch.float16])
-    q = torch.randn(b, sq, hq, d, device=dev, dtype=dtype)
-    k = torch.randn(b, sk, hk, d, device=dev, dtype=dtype)
-    v = torch.randn(b, sk, hk, d, device=dev, dtype=dtype)
-    scale = 1 / math.sqrt(d)
+    scale = 1 / math.sqrt(d) if rng.random() < 0.7 else rng.uniform(0.02, 0.3)
+    kw = dict(causal=causal, softmax_scale=scale)
+    if layout == "varlen":  # B sequences of 0..S rows each, packed; per-sequence references
+        lq = [rng.choice([0, sq, rng.randint(1, sq)]) for _ in range(b)]
+        lk = lq if sk == sq and rng.random() < 0.5 else [rng.choice([0, sk, rng.randint(1, sk)]) for _ in range(b)]
+        cu = [torch.tensor([0] + list(itertools.accumulate(x)), dtype=torch.int32, device=dev) for x in (lq, lk)]
+        q = torch.randn(sum(lq), hq, d, device=dev, dtype=dtype)
+        k, v = (torch.randn(sum(lk), hk, d, device=dev, dtype=dtype) for _ in range(2))
+        kw.update(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=max(lq), max_seqlen_k=max(lk))
+        spans = [(int(cu[0][i]), lq[i], int(cu[1][i]), lk[i]) for i in range(b)]
+        lse = torch.full((hq, sum(lq)), float("nan"), device=dev)
+        desc = f"varlen lq={lq} lk={lk}"
+    else:
+        q, k, v = attention_inputs(b, sq, sk, hq, hk, d, dtype, layout)
+        lse = torch.full((b, hq, sq), float("nan"), device=dev)
+        desc = f"{layout} B{b} Sq{sq} Sk{sk}"
+    desc += f" Hq{hq} Hk{hk} D{d} causal={causal} scale={scale:.3g} {str(dtype)[6:]}"
     out = torch.full_like(q, float("nan"))
-    lse = torch.full((b, hq, sq), float("nan"), device=dev)
-    note("attention", f"B{b} Sq{sq} Sk{sk} Hq{hq} Hk{hk} D{d} causal={causal} {dtype} bwd={backward}")
-    ck.attention(q, k, v, causal=causal, out=out, lse=lse)
-    desc = f"B{b} Sq{sq} Sk{sk} Hq{hq} Hk{hk} D{d} causal={causal} {dtype}"
+    side = maybe_side_stream()
+    note("attention_bwd" if backward else "attention", desc)
+    ck.attention(q, k, v, out=out, lse=lse, stream=side, **kw)
+
+    def ref_of(q, k, v):  # fp32, per sequence for varlen
+        if layout != "varlen":
+            return sdpa_ref(q, k, v, causal, scale)
+        parts = []
+        for q0, nq, k0, nk in spans:
+            if nq:
+                qi, ki, vi = q[None, q0:q0 + nq], k[None, k0:k0 + nk], v[None, k0:k0 + nk]
+                parts.append(sdpa_ref(qi, ki, vi, causal, scale)[0] if nk else
+                             torch.zeros(nq, hq, d, device=dev))  # no keys: out = 0
+        return torch.cat(parts) if parts else torch.zeros(0, hq, d, device=dev)
+
     if not backward:
-        ref = sdpa_ref(q, k, v, causal, scale)
-        e = rel(out, ref)
+        if side is not None:
+            side.synchronize()
+        ref = ref_of(q, k, v)
+        e = rel(out, ref) if out.numel() else 0.0
         record("attention", desc, torch.isfinite(out).all().item() and e < 1e-2, f"rel {e:.2e}")
         return
     dout = torch.randn_like(q)
     dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
     det = rng.random() < 0.3
-    ck.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=det, dq=dq, dk=dk, dv=dv)
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream())
+    ck.attention_backward(dout, q, k, v, out, lse, deterministic=det, dq=dq, dk=dk, dv=dv, stream=side, **kw)
+    if side is not None:
+        side.synchronize()
     qr, kr, vr = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ref = sdpa_ref(qr, kr, vr, causal, scale)
-    ref.backward(dout.float())
-    es = [rel(x, r.grad, 1e-3) for x, r in ((dq, qr), (dk, kr), (dv, vr))]
+    ref = ref_of(qr, kr, vr)
+    if ref.requires_grad:
+        ref.backward(dout.float())
+    grads = [torch.zeros_like(r) if r.grad is None else r.grad for r in (qr, kr, vr)]
+    es = [rel(x, g, 1e-3) if x.numel() else 0.0 for x, g in zip((dq, dk, dv), grads)]
     fin = all(torch.isfinite(x).all().item() for x in (dq, dk, dv))
     record("attention_bwd", desc + f" det={det}", fin and max(es) < 2e-2, "rel " + " ".join(f"{e:.2e}" for e in es))
 
