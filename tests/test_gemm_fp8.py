@@ -418,11 +418,15 @@ def test_192_row_tiles_not_for_the_masked_layout():
 def test_picks_follow_the_device():
     """The FP8 picks read the SM count and shared memory (their costs are per tile and wave, fitted in same-run
     sweeps), and the copy rate in one place: a row of 64-row tiles narrower than 48 columns that busies the SMs
-    splits in two where each SM's share of the copy rate is above unsplit_max_sm_stream. An H200 (the H100's SMs,
-    1.4x the bandwidth) gets the H100's benchmark picks but that one; a part with fewer SMs gets its own."""
+    splits in two where each SM's share of the copy rate is above unsplit_max_sm_stream, and 256 x 128 tiles pair
+    along N only where it is at most pair_a_max_sm_stream. An H200 (the H100's SMs, 1.4x the bandwidth) gets the
+    H100's benchmark picks but those; a part with fewer SMs gets its own."""
     h100_pcie = replace(H100, name="NVIDIA H100 PCIe (assumed)", sm_count=114)
     differ = [(a, b) for a, b in zip(f._bench_configs(H100), f._bench_configs(H200)) if a != b]
-    assert [(tile_and_splits(a), tile_and_splits(b)) for a, b in differ] == [((64, 32, 1), (64, 64, 2))]
+    unpaired = [(a, b) for a, b in differ if (a.bm, a.mcast, b.mcast) == (256, g.MCAST_SHARE_A, g.MCAST_NONE)]
+    assert unpaired and all(replace(a, mcast=g.MCAST_NONE, group_m=b.group_m) == b for a, b in unpaired)
+    assert [(tile_and_splits(a), tile_and_splits(b)) for a, b in differ if (a, b) not in unpaired] == [
+        ((64, 32, 1), (64, 64, 2))]
     assert list(f._bench_configs(h100_pcie)) != list(f._bench_configs(H100))
     for cfg in f._bench_configs(h100_pcie):
         assert cfg.smem <= h100_pcie.smem_per_block_optin
