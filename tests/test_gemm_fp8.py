@@ -432,6 +432,11 @@ def test_picks_follow_the_device():
         assert cfg.smem <= h100_pcie.smem_per_block_optin
     for _, cfg in differ:  # CI compiles the H200's picks as well
         assert f._defines(cfg) in [v[2] for v in f.variants()]
+    # the normal GEMM's 256 x 128 tiles: pairs sharing A at the H100's copy rate per SM, none at the H200's; the
+    # masked layout keeps its pairs on both
+    assert f.pick_config(4096, 7168, 16384, H100).mcast == g.MCAST_SHARE_A
+    assert (f.pick_config(4096, 7168, 16384, H200).bm, f.pick_config(4096, 7168, 16384, H200).mcast) == (256, 0)
+    assert f.pick_config(1024, 7168, 2048, H200, f.MASKED, 1).mcast == g.MCAST_SHARE_A
 
 
 # ---- grouped layouts and the weight gradient: CPU --------------------------------------------------------------
