@@ -435,7 +435,8 @@ def test_picks_follow_the_device():
     # the normal GEMM's 256 x 128 tiles: pairs sharing A at the H100's copy rate per SM, none at the H200's; the
     # masked layout keeps its pairs on both
     assert f.pick_config(4096, 7168, 16384, H100).mcast == g.MCAST_SHARE_A
-    assert (f.pick_config(4096, 7168, 16384, H200).bm, f.pick_config(4096, 7168, 16384, H200).mcast) == (256, 0)
+    h200 = f.pick_config(4096, 7168, 16384, H200)
+    assert (h200.bm, h200.mcast) == (256, g.MCAST_NONE)
     assert f.pick_config(1024, 7168, 2048, H200, f.MASKED, 1).mcast == g.MCAST_SHARE_A
 
 

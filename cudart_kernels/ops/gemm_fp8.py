@@ -269,9 +269,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     one tile's k blocks (at least min_stages). Pairs and tile order as for the BF16 GEMM, but no pairs with a
     single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
     there), none along N for the normal GEMM's 256 x 128 tiles on a part with more than pair_a_max_sm_stream of
-    copy rate per SM, and contiguous tiles pair along N only (two tiles along M may belong to two experts). Unsplit 128-row
-    tiles of up to 128 columns and a single row of 64-row tiles of scales_at_issue_bn columns load their scales at
-    the wgmma issue (SCALES_AT_ISSUE) from K = scales_at_issue_min_k."""
+    copy rate per SM, and contiguous tiles pair along N only (two tiles along M may belong to two experts).
+    Unsplit 128-row tiles of up to 128 columns and a single row of 64-row tiles of scales_at_issue_bn columns load
+    their scales at the wgmma issue (SCALES_AT_ISSUE) from K = scales_at_issue_min_k."""
     t = tuning
     bm = 64 if m <= 64 else 128
     splits = 1
