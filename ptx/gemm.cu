@@ -140,10 +140,19 @@ __device__ __forceinline__ void load_k_block(const Ring& ring, Pipe st, u8* smem
 // each waits for its own group and frees the stage at once: the other consumers' groups keep the tensor pipe busy
 // meanwhile, and the stage goes back to the producer a k block sooner (measured: 3-13% faster on large shapes
 // than keeping a group in flight). A lone consumer keeps one group in flight (after issuing k block kb, it waits
-// for kb-1's group and releases that stage).
+// for kb-1's group and releases that stage). A consumer whose rows are all past M (`idle`: the last row of tiles)
+// issues nothing and frees each stage once it is filled, so such a tile costs the tensor pipe only the rows it has.
 __device__ __forceinline__ void mma_k_blocks(float (&acc)[ACC], const Ring& ring, Pipe& st, u8* smem, int kb0,
-                                             int kb1, int c, int lane, u32 empty_bar) {
+                                             int kb1, int c, int lane, u32 empty_bar, bool idle) {
   constexpr int IN_FLIGHT = CONSUMERS > 1 ? 0 : 1;
+  if (CONSUMERS > 1 && idle) {  // rows all past M: only hand each stage back (after its fill, for the phases)
+    for (int kb = kb0; kb < kb1; ++kb) {
+      ring.wait(st);
+      ring.release_predicated_at(empty_bar + st.stage * 8, lane);
+      st.advance();
+    }
+    return;
+  }
   int prev = -1;
   for (int kb = kb0; kb < kb1; ++kb) {
     ring.wait(st);
@@ -186,7 +195,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
   u8* smem = smem_aligned_1024();
   const Ring ring(smem + SMEM_BARS);
   const u32 rank = MCAST ? cluster_rank() : 0;
-  const GemmScheduler<BM, BN, BK, MCAST> sched(M, N, K, splits, 1, group_m, nullptr, rank, CLUSTER);
+  // (rows rotated by wave: the last row of tiles, cheaper where consumers are idle, spreads over the CTAs)
+  const GemmScheduler<BM, BN, BK, MCAST, LAYOUT_NORMAL, 1, false, true> sched(M, N, K, splits, 1, group_m, nullptr,
+                                                                              rank, CLUSTER);
   const int wg = warpgroup_index();
   const int tid = threadIdx.x % 128;
   // L2_WARM (launched with PDL): B's first k block of this CTA's first tile into L2 before pdl_wait, as in
@@ -237,8 +248,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
   const u32 empty_bar = ring.release_bar(rank, lane);  // (paired: a cluster mapping, done once here)
   for (int unit = sched.first; sched.more(unit); unit = sched.next(unit)) {
     const GemmTile t = sched.tile(unit);
-    mma_k_blocks(acc, ring, st, smem, t.kb0, t.kb1, c, lane, empty_bar);
     const int row0 = t.m0 + c * 64;  // first row of this consumer's slice
+    mma_k_blocks(acc, ring, st, smem, t.kb0, t.kb1, c, lane, empty_bar, row0 >= M);
     if (row0 >= M || t.n0 >= N) continue;  // a slice past the edge (BM rows beyond M, or a cluster's spare tile)
     if constexpr (EPI == EPI_STORE && C_KIND != KIND_NONE)
       add_to_fragment<C_KIND>(acc, c_ptr, ld_c, row0, t.n0, M, N, warp, lane);  // D = acc + C

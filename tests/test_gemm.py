@@ -463,7 +463,7 @@ def test_clusters_of_four(rng, shape, bn):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(129, 264, 200), (191, 1000, 1040), (192, 136, 3000), (330, 40, 520),
-                                   (383, 2112, 136)], ids=lambda s: "x".join(map(str, s)))
+                                   (383, 4096, 136)], ids=lambda s: "x".join(map(str, s)))
 def test_192_row_tiles(rng, shape):
     """Three consumer warpgroups (M in 129..192 and 321..384): plain bf16 and fp32 out, forced splits in both
     orders, C added, accumulate in place, B as [K, N]."""
@@ -481,6 +481,42 @@ def test_192_row_tiles(rng, shape):
     ck.gemm(da, DeviceArray.from_numpy(np.ascontiguousarray(b.T)), out=out, b_layout="kn")
     _check(out.numpy(), ref, "bf16")
     assert {p.cfg.bm for p in PLANS.values("gemm")} == {192}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,tile", [((300, 1000, 1040), (192, 128)), ((257, 520, 200), (192, 64)),
+                                        ((190, 1000, 1040), (128, 112)), ((777, 264, 136), (128, 48)),
+                                        ((140, 2000, 520), (128, 256)), ((321, 600, 1040), (192, 192))],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_consumers_past_m_only_free_the_stages(rng, shape, tile):
+    """The last row of tiles with one or two consumers whose rows are all past M (they issue no wgmma), rows
+    rotated by wave: every element written and right, unsplit and paired as the heuristic pairs them."""
+    m, n, k = shape
+    a, b = _rand(rng, (m, k), "bf16"), _rand(rng, (n, k), "bf16")
+    ref = a.astype(np.float64) @ b.astype(np.float64).T
+    props = driver.device_properties(0)
+    for mcast in (sm90.MCAST_NONE, sm90.MCAST_SHARE_B):
+        cfg = replace(g.make_config(m, n, k, 2, props, *tile, 1), mcast=mcast)
+        out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
+        ck.gemm(DeviceArray.from_numpy(a), DeviceArray.from_numpy(b), out=out,
+                tuning=g.GemmTuning(force_config=cfg))
+        _check(out.numpy(), ref, "bf16")
+
+
+def test_ragged_m_takes_the_least_loaded_tiles():
+    """M > 128 not a multiple of 128, tiles that fill the GPU: `ragged_pick` (192-row tiles where the last row's
+    idle consumers and the three consumers' rate make them cheaper); multiples of 128 and one-wave shapes keep the
+    old rule."""
+    for props in (H100, H200):
+        pick = g.pick_config(300, 36864, 7168, 2, props)
+        assert (pick.bm, pick.bn, pick.splits) == (192, 192, 1)
+        assert g.pick_config(2112, 4096, 14336, 2, props).bm == 192
+        assert g.pick_config(4096, 7168, 16384, 2, props).bm == 128       # a multiple of 128: unchanged
+        assert g.pick_config(129, 264, 200, 2, props).bm == 192           # one wave: row_tile
+        # the estimate: a last row of 128-row tiles with one consumer's rows costs lone_consumer_share of a full row
+        full = g.ragged_time_us(256, 16384, 4096, 128, 128, props)
+        part = g.ragged_time_us(320, 16384, 4096, 128, 128, props)
+        assert full < part < 1.5 * full
 
 
 # ---- decode path (M <= 16): ptx/gemm_decode.cu --------------------------------------------------------------------

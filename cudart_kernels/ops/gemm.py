@@ -57,6 +57,12 @@ class GemmTuning(sm90.Sm90Tuning):
     quad_clusters_share: float = 0.85   # ... and at M 193..256 in clusters of four sharing B, up to this share (quad_split)
     bm192_max_bn: int = 192             # three consumers get 152 registers each
     bm192_split_max_bn: int = 160
+    # Unsplit tiles where M > 128 is not a multiple of 128 (`ragged_pick`): the last row of tiles has consumers
+    # whose rows are all past M, which skip their wgmma. A 192-row tile's k block costs tall_kb_share x 1.5 x a
+    # 128-row one's (the per-flop rate of three consumers), and a 128-row tile with one consumer's rows
+    # lone_consumer_share of a whole one (it runs without the other's groups to overlap).
+    tall_kb_share: float = 0.9
+    lone_consumer_share: float = 0.8
     # Decode-shaped GEMMs (ptx/gemm_decode.cu): M <= decode_max_m, B as [N, K], split_k left to the heuristic,
     # K >= decode_min_k, A (read by every CTA) at most decode_max_a_bytes, 16-row CTAs busy between
     # decode_min_fill and decode_max_fill of the SMs.
@@ -217,6 +223,45 @@ def row_tile(m: int) -> int:
     return 192 if 128 < m <= 192 or 320 < m <= 384 else 128
 
 
+def ragged_time_us(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProperties,
+                   tuning: GemmTuning = TUNING) -> float:
+    """Estimated time of unsplit BM x BN tiles (BM 128 or 192): the load of the busiest CTA of the persistent
+    grid, which takes every step-th cluster tile of the grouped order with each column's rows rotated by its wave
+    (ptx/common/scheduler.cuh ROTATE_ROWS). A tile costs its k blocks (`kblock_us` of 128 rows; tall_kb_share x 1.5
+    of it for 192) times the share of its consumers with rows below M (one of two: lone_consumer_share); a pair
+    sharing B costs its dearer tile."""
+    t = tuning
+    mcast = sm90.pick_multicast(m, n, bm, bn, 1, False, props, t)
+    share_a, share_b = sm90.sharers(mcast)
+    cl_m, cl_n = sm90.cluster_tiles(m, n, bm, bn, mcast)
+    step = props.sm_count // (share_a * share_b)
+    group = sm90.group_rows(m, n, bm, bn, mcast, props)
+    consumers = bm // 64
+    share = {}  # cluster tile row -> cost share
+    for row in range(cl_m):
+        live = max(min(consumers, -(-(m - (row * share_b + j) * bm) // 64)) for j in range(share_b))
+        share[row] = 0.0 if live <= 0 else t.lone_consumer_share if (live, consumers) == (1, 2) else live / consumers
+    kb = kblock_us(128, bn, t) * (1.5 * t.tall_kb_share if bm == 192 else 1.0) * -(-k // BK)
+    load = [0.0] * step
+    for unit in range(cl_m * cl_n):
+        gsize = group * cl_n
+        first = unit // gsize * group
+        rows = min(group, cl_m - first)
+        r = unit % gsize
+        load[unit % step] += share[first + (r % rows + (unit - r % rows) // step) % rows]
+    return max(load) * kb
+
+
+def ragged_pick(m: int, n: int, k: int, epi_bytes: int, b_kn: bool, props: DeviceProperties,
+                tuning: GemmTuning = TUNING) -> tuple:
+    """(BM, BN) of unsplit tiles for M > 128 not a multiple of 128: the least `ragged_time_us` among 128 x BN and
+    192 x BN (BN up to bm192_max_bn), ties to the wider tile, then 128 rows."""
+    budget = props.smem_per_block_optin
+    cands = [(bm, bn) for bm in (128, 192) for bn in _bn_candidates(n)
+             if _bn_fits(bm, bn, 1, tuning) and max_stages(bm, bn, epi_bytes, budget, b_kn) >= 2]
+    return min(cands, key=lambda c: (round(ragged_time_us(m, n, k, *c, props, tuning), 3), -c[1], c[0]))
+
+
 def _bn_fits(bm: int, bn: int, splits: int, tuning: GemmTuning) -> bool:
     """Whether ptx/gemm.cu's BM x BN tile fits the consumers' registers."""
     return bm != 192 or bn <= (tuning.bm192_split_max_bn if splits > 1 else tuning.bm192_max_bn)
@@ -314,6 +359,8 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
         fits = [b for b in _bn_candidates(n)
                 if _bn_fits(bm, b, splits, t) and max_stages(bm, b, 4, budget, b_kn) >= 2]
         bn = min(fits, key=lambda b: (-(-(-(-m // bm) * -(-n // b) * splits) // props.sm_count), -b))
+    elif split_k is None and m > 128 and m % 128 and not b_kn and unsplit_fills(m, n, bm, bn0, props, t):
+        bm, bn = ragged_pick(m, n, k, epi_plain, b_kn, props, t)
     else:
         bn = bn0
     return make_config(m, n, k, out_bytes, props, bm, bn, splits, accumulate, b_kn, t)

@@ -64,10 +64,13 @@ struct GemmTile {
 // - with CLUSTER_SPLITS > 1, one cluster tile whose CLUSTER_SPLITS CTAs (cluster rank = slice) each take a slice of K;
 // - LISTED (LAYOUT_CONTIGUOUS): rows of tiles are the entries (tile row, group) of `list` (contiguous_tiles.cu), so
 //   a tile row that holds two groups' rows is two rows of units, one per group.
+// ROTATE_ROWS: a column's rows rotated by its wave, so that a CTA (every step-th unit) cycles through the rows
+// instead of always getting the same one: the last row of tiles, cheaper where a consumer's rows are all past M
+// (gemm.cu), spreads over the CTAs. A wave's tiles, and so what they share in L2, stay the same.
 // A CTA of a cluster may get a tile past the edge (a tile count not a multiple of the cluster's): it still loads
 // its part of the shared tile for the others.
 template <int TILE_M, int TILE_N, int TILE_K, int PAIRING, int ORDER = LAYOUT_NORMAL, int CLUSTER_SPLITS = 1,
-          bool LISTED = false>
+          bool LISTED = false, bool ROTATE_ROWS = false>
 struct GemmScheduler : PersistentUnits {
   static constexpr bool PER_GROUP = ORDER == LAYOUT_MASKED || ORDER == LAYOUT_KGROUPED;
   static constexpr int CTAS_M = b_sharers(PAIRING), CTAS_N = a_sharers(PAIRING);  // a cluster's tiles along M, N
@@ -114,6 +117,9 @@ struct GemmScheduler : PersistentUnits {
     const int rows = min(group_m, cl_tiles_m - first);
     const int r = ct % gsize;
     t.tm = first + r % rows;
+    if constexpr (ROTATE_ROWS) {  // (the column's first unit's wave)
+      t.tm = first + (r % rows + (ct - r % rows) * splits / step) % rows;
+    }
     t.tn = r / rows;
     if (CTAS_M > 1) t.tm = CTAS_M * t.tm + rank;
     if (CTAS_N > 1) t.tn = CTAS_N * t.tn + rank;
