@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..runtime import dtypes as dt
 from ..runtime.driver import DeviceProperties, device_properties, enter_device, leave_device
 from ..runtime.interop import DeviceArray, call_arrays, require, same_device
@@ -237,19 +239,18 @@ def ragged_time_us(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProper
     step = props.sm_count // (share_a * share_b)
     group = sm90.group_rows(m, n, bm, bn, mcast, props)
     consumers = bm // 64
-    share = {}  # cluster tile row -> cost share
+    share = np.zeros(cl_m)  # per cluster tile row: the cost share of its dearest tile
     for row in range(cl_m):
         live = max(min(consumers, -(-(m - (row * share_b + j) * bm) // 64)) for j in range(share_b))
         share[row] = 0.0 if live <= 0 else t.lone_consumer_share if (live, consumers) == (1, 2) else live / consumers
+    unit = np.arange(cl_m * cl_n)
+    gsize = group * cl_n
+    first = unit // gsize * group
+    rows = np.minimum(group, cl_m - first)
+    r = unit % gsize % rows
+    load = np.bincount(unit % step, weights=share[first + (r + (unit - r) // step) % rows], minlength=step)
     kb = kblock_us(128, bn, t) * (1.5 * t.tall_kb_share if bm == 192 else 1.0) * -(-k // BK)
-    load = [0.0] * step
-    for unit in range(cl_m * cl_n):
-        gsize = group * cl_n
-        first = unit // gsize * group
-        rows = min(group, cl_m - first)
-        r = unit % gsize
-        load[unit % step] += share[first + (r % rows + (unit - r % rows) // step) % rows]
-    return max(load) * kb
+    return float(load.max()) * kb
 
 
 def ragged_pick(m: int, n: int, k: int, epi_bytes: int, b_kn: bool, props: DeviceProperties,
