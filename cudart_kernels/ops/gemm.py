@@ -253,13 +253,12 @@ def ragged_time_us(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProper
     return float(load.max()) * kb
 
 
-def ragged_pick(m: int, n: int, k: int, epi_bytes: int, b_kn: bool, props: DeviceProperties,
-                tuning: GemmTuning = TUNING) -> tuple:
-    """(BM, BN) of unsplit tiles for M > 128 not a multiple of 128: the least `ragged_time_us` among 128 x BN and
-    192 x BN (BN up to bm192_max_bn), ties to the wider tile, then 128 rows."""
+def ragged_pick(m: int, n: int, k: int, epi_bytes: int, props: DeviceProperties, tuning: GemmTuning = TUNING) -> tuple:
+    """(BM, BN) of unsplit tiles for M > 128 not a multiple of 128 and B as [N, K]: the least `ragged_time_us`
+    among 128 x BN and 192 x BN (BN up to bm192_max_bn), ties to the wider tile, then 128 rows."""
     budget = props.smem_per_block_optin
     cands = [(bm, bn) for bm in (128, 192) for bn in _bn_candidates(n)
-             if _bn_fits(bm, bn, 1, tuning) and max_stages(bm, bn, epi_bytes, budget, b_kn) >= 2]
+             if _bn_fits(bm, bn, 1, tuning) and max_stages(bm, bn, epi_bytes, budget) >= 2]
     return min(cands, key=lambda c: (round(ragged_time_us(m, n, k, *c, props, tuning), 3), -c[1], c[0]))
 
 
@@ -361,7 +360,7 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
                 if _bn_fits(bm, b, splits, t) and max_stages(bm, b, 4, budget, b_kn) >= 2]
         bn = min(fits, key=lambda b: (-(-(-(-m // bm) * -(-n // b) * splits) // props.sm_count), -b))
     elif split_k is None and m > 128 and m % 128 and not b_kn and unsplit_fills(m, n, bm, bn0, props, t):
-        bm, bn = ragged_pick(m, n, k, epi_plain, b_kn, props, t)
+        bm, bn = ragged_pick(m, n, k, epi_plain, props, t)
     else:
         bn = bn0
     return make_config(m, n, k, out_bytes, props, bm, bn, splits, accumulate, b_kn, t)
