@@ -27,6 +27,10 @@
 // Work units are (tile, split) pairs, split fastest: a unit only ever waits on a unit with a smaller index, which
 // a resident CTA of this persistent grid has already started, so the turnstile cannot deadlock.
 //
+// TRANS_OUT = 1 (EPI_STORE, 16-bit D) writes the tile transposed through a map over D^T: the host runs D = A B^T as
+// D^T = B A^T (A and B swapped, M and N too), so that D's rows are the tile's columns, which come in steps of 8
+// (wgmma's N) instead of 64: M = 300 takes two 152-column tiles (304 rows) where 128-row tiles compute 384.
+//
 // B_KN = 1 reads B as [K, N] (N contiguous): it is loaded as ceil(BN / 64) panels of 64 N x 64 K and fed to
 // wgmma as an MN-major operand (transposed B).
 //
@@ -39,7 +43,7 @@
 // 128-row tile there computes a second, mostly empty, row block.
 //
 // Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64, 128 or 192), BN (8..256, step 8), STAGES, EPI,
-// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST, STREAM_B, L2_WARM.
+// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST, STREAM_B, L2_WARM, TRANS_OUT.
 #include "common/epilogue.cuh"
 #include "common/pipeline.cuh"
 #include "common/scheduler.cuh"
@@ -68,6 +72,9 @@
 #endif
 #ifndef MCAST
 #define MCAST 0
+#endif
+#ifndef TRANS_OUT
+#define TRANS_OUT 0
 #endif
 
 typedef Wg16<IN_KIND>::type WgIn;
@@ -105,6 +112,7 @@ static_assert(BN % 8 == 0 && BN >= 8 && BN <= 256, "BN must be a multiple of 8 i
 static_assert(BM == 64 || BM == 128 || (BM == 192 && BN <= 192), "BM must be 64, 128 or 192 (with BN <= 192)");
 static_assert(BM != 192 || EPI != EPI_SPLIT || BN <= 160, "192-row split-K tiles: BN <= 160 (the finish spills)");
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= 65536, "setmaxnreg beyond the register file");
+static_assert(!TRANS_OUT || (EPI == EPI_STORE && OUT_BYTES == 2), "transposed tiles: stored, 16-bit D");
 
 // Shared memory (from a 1024-byte aligned base):
 // A stages | B stages | output tile | full barriers | empty barriers | one flag per consumer.
@@ -184,8 +192,8 @@ __device__ __forceinline__ void mma_k_blocks(float (&acc)[ACC], const Ring& ring
 // swizzle; [K, N] B: boxes {64, BK}. tm_a_edge / tm_b_edge: the same tensors with boxes of M (N) modulo those rows,
 // for the box across the last row (tma_load_rows; unused for [K, N] B). tm_out: EPI_STORE the D map (out dtype),
 // EPI_ACCUMULATE the fp32 D map, EPI_SPLIT the fp32 workspace map; all with box {CH, 64} and swizzle
-// CHUNK_ROW_BYTES (0 below 32). d / ld_d: D for the split-K finalisation; w / ld_w: the workspace; c / ld_c: C (or
-// null); counters: one int per 64-row slice of every tile, zero between launches; group_m: cluster-tile rows per
+// CHUNK_ROW_BYTES (0 below 32); TRANS_OUT: the D^T map, box {64, CH}, 128-byte swizzle. d / ld_d: D for the split-K
+// finalisation; w / ld_w: the workspace; c / ld_c: C (or null; TRANS_OUT: C^T); counters: one int per 64-row slice of every tile, zero between launches; group_m: cluster-tile rows per
 // group of the tile order.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     const __grid_constant__ CUtensorMap_st tm_a, const __grid_constant__ CUtensorMap_st tm_b,
@@ -252,13 +260,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     mma_k_blocks(acc, ring, st, smem, t.kb0, t.kb1, c, lane, empty_bar, row0 >= M);
     if (row0 >= M || t.n0 >= N) continue;  // a slice past the edge (BM rows beyond M, or a cluster's spare tile)
     if constexpr (EPI == EPI_STORE && C_KIND != KIND_NONE)
-      add_to_fragment<C_KIND>(acc, c_ptr, ld_c, row0, t.n0, M, N, warp, lane);  // D = acc + C
+      add_to_fragment<C_KIND, ACC, TRANS_OUT>(acc, c_ptr, ld_c, row0, t.n0, M, N, warp, lane);  // D = acc + C
 
     // registers -> shared (64 x CH chunks, two buffers) -> TMA store, or reduce-add of a split-K partial
-    const auto write = [&](int j, u8* buf) { chunk_to_smem<CHUNK_KIND, CH>(acc, j, buf, warp, lane); };
+    const auto write = [&](int j, u8* buf) { chunk_to_smem<CHUNK_KIND, CH, TRANS_OUT>(acc, j, buf, warp, lane); };
     const auto store = [&] {
-      tma_store_chunks<CHUNKS, CH, EPI != EPI_STORE>(&tm_out, d_smem, CHUNK_BYTES, chunk_seq, t.n0, row0, tid, 1 + c,
-                                                     write);
+      tma_store_chunks<CHUNKS, CH, EPI != EPI_STORE, decltype(write), TRANS_OUT>(&tm_out, d_smem, CHUNK_BYTES,
+                                                                                 chunk_seq, t.n0, row0, tid, 1 + c,
+                                                                                 write);
     };
     if constexpr (EPI == EPI_STORE) {
       store();

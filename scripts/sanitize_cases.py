@@ -73,6 +73,15 @@ ref_w = a_w.numpy().astype(np.float64) @ b_w.numpy().astype(np.float64).T
 assert np.abs(d.numpy() - ref_w).max() < 1e-2 * np.abs(ref_w).max()
 cfg_w = g.pick_config(290, 2600, 2056, 4, device_properties(0))
 assert (cfg_w.bm, cfg_w.splits) == (64, 1), cfg_w
+# Swapped operands (D^T = B A^T through the transposed epilogue): odd M on the tile's columns, tails in N and K,
+# C added
+cfg_s = g.make_config(1000, 301, 2056, 2, device_properties(0), 128, 152, 1, swap_ab=True)
+c_s = DeviceArray.from_numpy(rng.standard_normal((301, 1000)).astype(ck.bfloat16.numpy))
+a_s = DeviceArray.from_numpy(rng.standard_normal((301, 2056)).astype(ck.bfloat16.numpy))
+b_s = DeviceArray.from_numpy(b_w.numpy()[:1000].copy())
+d = ck.gemm(a_s, b_s, c=c_s, tuning=g.GemmTuning(force_config=cfg_s))
+ref_s = a_s.numpy().astype(np.float64) @ b_s.numpy().astype(np.float64).T + c_s.numpy().astype(np.float64)
+assert np.abs(d.numpy().astype(np.float64) - ref_s).max() < 2e-2 * np.abs(ref_s).max()
 print("gemm sanitize cases ran")
 
 # 2-CTA clusters with multicast (forced on both sides; odd tile rows leave a spare tile), plain and split-K.

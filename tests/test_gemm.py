@@ -28,6 +28,10 @@ def fake(shape, dtype, strides=None, offset=0):
 def test_config_fits_and_matches_the_kernel_layout(shape, out_bytes, split_k):
     m, n, k = shape
     cfg = g.pick_config(m, n, k, out_bytes, H100, split_k)
+    if cfg.swap_ab:  # D^T = B A^T: BM runs over N, BN over M (M in steps of 8)
+        assert cfg.splits == 1 and out_bytes == 2 and cfg.bn % 8 == 0 and cfg.bn >= -(-m // 8) * 8 / -(-m // cfg.bn)
+        assert cfg.smem == g.smem_bytes(cfg.bm, cfg.bn, cfg.stages, 2) <= H100.smem_per_block_optin
+        return
     # 64-row tiles: the split search's (M <= split_bm64_max_m), clusters of four (quad_split), or one wave of
     # unsplit ones (unsplit_wave)
     one_wave = cfg.splits == 1 and -(-m // 64) * -(-n // cfg.bn) <= H100.sm_count
@@ -472,11 +476,12 @@ def test_192_row_tiles(rng, shape):
     da, db = DeviceArray.from_numpy(a), DeviceArray.from_numpy(b)
     ref = a.astype(np.float64) @ b.astype(np.float64).T
     PLANS.clear()
+    rows = g.GemmTuning(swap_ab=False)  # (swapped operands would put M on the tile's columns)
     for out_dtype, split, det in (("bf16", None, False), ("fp32", 1, False), ("bf16", 3, False), ("fp32", 5, True)):
         out = DeviceArray.empty((m, n), out_dtype).fill_bytes(0xFF)
-        ck.gemm(da, db, out=out, split_k=split, deterministic=det)
+        ck.gemm(da, db, out=out, split_k=split, deterministic=det, tuning=rows)
         _check(out.numpy(), ref, out_dtype)
-    _check_c_added_and_accumulate(rng, da, db, ref, "bf16")
+    _check_c_added_and_accumulate(rng, da, db, ref, "bf16", tuning=rows)
     out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
     ck.gemm(da, DeviceArray.from_numpy(np.ascontiguousarray(b.T)), out=out, b_layout="kn")
     _check(out.numpy(), ref, "bf16")
@@ -503,12 +508,49 @@ def test_consumers_past_m_only_free_the_stages(rng, shape, tile):
         _check(out.numpy(), ref, "bf16")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,tile", [((300, 1000, 1040), (128, 152)), ((257, 520, 200), (64, 136)),
+                                        ((77, 200, 3000), (192, 80)), ((700, 4160, 520), (128, 240)),
+                                        ((129, 264, 72), (64, 8)), ((1000, 136, 64), (128, 256))],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_swapped_operands(rng, shape, tile):
+    """D^T = B A^T written through the transposed epilogue (TRANS_OUT): M (odd or not) on the tile's columns, N
+    on its rows, tails of both and of K; C (bf16 or fp32) added; fp16 too. Every element written and right."""
+    m, n, k = shape
+    props = driver.device_properties(0)
+    cfg = g.make_config(n, m, k, 2, props, *tile, 1, swap_ab=True)
+    tuning = g.GemmTuning(force_config=cfg)
+    for dtype, c_dtype in (("bf16", None), ("fp16", "fp32"), ("bf16", "bf16")):
+        a, b = _rand(rng, (m, k), dtype), _rand(rng, (n, k), dtype)
+        ref = a.astype(np.float64) @ b.astype(np.float64).T
+        c = None if c_dtype is None else _rand(rng, (m, n), c_dtype)
+        out = DeviceArray.empty((m, n), dtype).fill_bytes(0xFF)
+        ck.gemm(DeviceArray.from_numpy(a), DeviceArray.from_numpy(b), out=out,
+                c=None if c is None else DeviceArray.from_numpy(c), tuning=tuning)
+        _check(out.numpy(), ref if c is None else ref + c.astype(np.float64), dtype)
+
+
+def test_swap_picks():
+    """Swapped operands where M sits badly on 64-row tiles: 300 x 8192 x 28672 takes 152 columns over M (304
+    rows, not 384); never for an fp32 D, C accumulated in place, B as [K, N], forced split-K, M or K out of range."""
+    for props in (H100, H200):
+        pick = g.pick_config(300, 8192, 28672, 2, props)
+        assert pick.swap_ab and (pick.bm, pick.bn, pick.splits) == (128, 152, 1)
+        for kw in ({"out_bytes": 4}, {"accumulate": True}, {"b_kn": True}, {"split_k": 1}):
+            assert not g.pick_config(300, 8192, 28672, **{"out_bytes": 2, "props": props, **kw}).swap_ab
+        assert not g.pick_config(4096, 8192, 28672, 2, props).swap_ab
+        assert not g.pick_config(128, 10240, 8192, 2, props).swap_ab   # M <= 128: the 64-row and split paths
+        assert not g.pick_config(783, 16384, 1024, 2, props).swap_ab   # short K (1.075x the unswapped time)
+        assert g.pick_config(700, 8192, 28672, 2, props).swap_ab
+        assert not g.pick_config(300, 8192, 28672, 2, props, tuning=g.GemmTuning(swap_ab=False)).swap_ab
+
+
 def test_ragged_m_takes_the_least_loaded_tiles():
     """M > 128 not a multiple of 128, tiles that fill the GPU: `ragged_pick` (192-row tiles where the last row's
     idle consumers and the three consumers' rate make them cheaper); multiples of 128 and one-wave shapes keep the
     old rule."""
     for props in (H100, H200):
-        pick = g.pick_config(300, 36864, 7168, 2, props)
+        pick = g.pick_config(300, 36864, 7168, 2, props, tuning=g.GemmTuning(swap_ab=False))
         assert (pick.bm, pick.bn, pick.splits) == (192, 192, 1)
         assert g.pick_config(2112, 4096, 14336, 2, props).bm == 192
         assert g.pick_config(4096, 7168, 16384, 2, props).bm == 128       # a multiple of 128: unchanged

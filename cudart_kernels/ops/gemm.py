@@ -57,6 +57,15 @@ class GemmTuning(sm90.Sm90Tuning):
     paired_factor: float = 0.95         # split candidates that pair tiles count at this share of their estimate
     split_bm64_max_m: int = 128         # split-K up to this M searches 64-row tiles
     quad_clusters_share: float = 0.85   # ... and at M 193..256 in clusters of four sharing B, up to this share (quad_split)
+    # Swapped operands (`swap_candidate`): D^T = B A^T, so that M runs over the tile's columns (steps of 8, not
+    # 64). For 16-bit D, B as [N, K], the heuristic's split count, M in swap_min_m..swap_max_m and K >= swap_min_k,
+    # where its best estimate is below swap_share of the pick's (both `busiest_cta_us`).
+    swap_ab: bool = True
+    swap_min_m: int = 129
+    swap_max_m: int = 1024
+    swap_min_k: int = 2048
+    swap_min_bn: int = 64
+    swap_share: float = 0.95
     bm192_max_bn: int = 192             # three consumers get 152 registers each
     bm192_split_max_bn: int = 160
     # Unsplit tiles where M > 128 is not a multiple of 128 (`ragged_pick`): the last row of tiles has consumers
@@ -133,6 +142,7 @@ class GemmConfig:
     group_m: int = 1         # cluster-tile rows per group of the tile order
     stream_b: bool = False   # B loaded with an evict-first L2 policy (sm90.streams_b)
     warm_l2: bool = False    # B's first k block into L2 before pdl_wait (L2_WARM)
+    swap_ab: bool = False    # D^T = B A^T (TRANS_OUT): the tile's BM rows run over N, its BN columns over M
 
     @property
     def threads(self) -> int:
@@ -249,8 +259,12 @@ def ragged_time_us(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProper
     rows = np.minimum(group, cl_m - first)
     r = unit % gsize % rows
     load = np.bincount(unit % step, weights=share[first + (r + (unit - r) // step) % rows], minlength=step)
-    kb = kblock_us(128, bn, t) * (1.5 * t.tall_kb_share if bm == 192 else 1.0) * -(-k // BK)
-    return float(load.max()) * kb
+    return float(load.max()) * tile_kblock_us(bm, bn, t) * -(-k // BK)
+
+
+def tile_kblock_us(bm: int, bn: int, tuning: GemmTuning = TUNING) -> float:
+    """Microseconds per k block of a whole BM x BN tile (BM 128 or 192) in a busy grid."""
+    return kblock_us(128, bn, tuning) * (1.5 * tuning.tall_kb_share if bm == 192 else 1.0)
 
 
 def ragged_pick(m: int, n: int, k: int, epi_bytes: int, props: DeviceProperties, tuning: GemmTuning = TUNING) -> tuple:
@@ -363,7 +377,38 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
         bm, bn = ragged_pick(m, n, k, epi_plain, props, t)
     else:
         bn = bn0
+    if (split_k is None and not accumulate and not b_kn and out_bytes == 2 and t.swap_ab
+            and t.swap_min_m <= m <= t.swap_max_m and k >= t.swap_min_k):
+        swap = swap_candidate(m, n, k, props, t)
+        if swap is not None and swap[0] < t.swap_share * busiest_cta_us(m, n, k, bm, bn, splits, props, t):
+            return make_config(n, m, k, out_bytes, props, swap[1], swap[2], 1, tuning=t, swap_ab=True)
     return make_config(m, n, k, out_bytes, props, bm, bn, splits, accumulate, b_kn, t)
+
+
+def busiest_cta_us(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: DeviceProperties,
+                   tuning: GemmTuning = TUNING) -> float:
+    """Estimated time of a config: the busiest CTA's tiles (`ragged_time_us`: idle consumers past M, pairs) for
+    unsplit 128- and 192-row tiles, else `split_time_us`."""
+    if splits == 1 and bm in (128, 192):
+        return ragged_time_us(m, n, k, bm, bn, props, tuning)
+    return split_time_us(m, n, k, bm, bn, splits, props, tuning)
+
+
+def swap_candidate(m: int, n: int, k: int, props: DeviceProperties, tuning: GemmTuning = TUNING) -> tuple | None:
+    """(estimate us, BM, BN) of the cheapest unsplit config of D^T = B A^T: BM (128 or 192) over N, BN over M
+    the narrowest multiple of 8 for each count of column tiles, down to swap_min_bn; waves of tiles at
+    `tile_kblock_us` per k block (a tile's columns past M cost as much as the others). None where none fits.
+    Fitted on 22 shapes at M 129..700 (H200, docs/tuning.md)."""
+    t = tuning
+    cands = []
+    for bm in (128, 192):
+        widths = {-(-m // (8 * c)) * 8 for c in range(1, -(-m // t.swap_min_bn) + 1)}
+        for bn in sorted(widths):
+            if (t.swap_min_bn <= bn <= 256 and _bn_fits(bm, bn, 1, t)
+                    and max_stages(bm, bn, 2, props.smem_per_block_optin) >= 2):
+                waves = -(-(-(-n // bm) * -(-m // bn)) // props.sm_count)
+                cands.append((waves * -(-k // BK) * tile_kblock_us(bm, bn, t), bm, bn))
+    return min(cands, key=lambda c: (round(c[0], 3), -c[2], c[1])) if cands else None
 
 
 def unsplit_fills(m: int, n: int, bm: int, bn: int, props: DeviceProperties, tuning: GemmTuning = TUNING) -> bool:
@@ -395,15 +440,17 @@ def unsplit_wave(m: int, n: int, k: int, b_kn: bool, props: DeviceProperties,
 
 
 def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, bm: int, bn: int, splits: int,
-                accumulate: bool = False, b_kn: bool = False, tuning: GemmTuning = TUNING) -> GemmConfig:
-    """The full config of a BM x BN tile with `splits` K slices: stages fill the budget, pairs, tile order."""
+                accumulate: bool = False, b_kn: bool = False, tuning: GemmTuning = TUNING,
+                swap_ab: bool = False) -> GemmConfig:
+    """The full config of a BM x BN tile with `splits` K slices: stages fill the budget, pairs, tile order. M, N:
+    the kernel's (`swap_ab`: D's N and M)."""
     epi = 4 if (splits > 1 or accumulate) else out_bytes
     stages = max_stages(bm, bn, epi, props.smem_per_block_optin, b_kn)
     mcast = (sm90.MCAST_SHARE_B4 if quad_split(m, n, bm, bn, splits, b_kn, props, tuning)
              else sm90.pick_multicast(m, n, bm, bn, splits, b_kn, props, tuning))
     return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn), mcast,
                       sm90.group_rows(m, n, bm, bn, mcast, props), sm90.streams_b(m, k, 2, tuning) and not b_kn,
-                      tuning.pdl and tuning.warm_l2)
+                      tuning.pdl and tuning.warm_l2, swap_ab)
 
 
 def _defines(in_dtype, out_dtype, cfg: GemmConfig, epi: str = "EPI_STORE", c_dtype=None,
@@ -422,6 +469,8 @@ def _defines(in_dtype, out_dtype, cfg: GemmConfig, epi: str = "EPI_STORE", c_dty
         d["STREAM_B"] = 1
     if cfg.warm_l2:
         d["L2_WARM"] = 1
+    if cfg.swap_ab:
+        d["TRANS_OUT"] = 1
     return d
 
 
@@ -447,9 +496,10 @@ def variants():
 
     # 192 rows: 192-row tiles split, unsplit and paired; a wave of 64-row tiles in three rows
     rows_192 = [(192, 512, 16384), (192, 14336, 2048), (384, 7168, 8192), (192, 7168, 2048)]
+    swapped = [(300, 8192, 28672), (129, 28672, 4096), (700, 10240, 5120)]  # D^T = B A^T (bf16 D only)
     ragged = [(777, 1000, 4096), (777, 600, 8192)]  # M and N not multiples of the tile: edge maps (unsplit, split)
     decode = [(16, 1280, 4096)]   # the decode kernel (no benchmark shape picks it)
-    for shapes in list(BENCH_SHAPES.values()) + [rows_192, ragged, decode]:
+    for shapes in list(BENCH_SHAPES.values()) + [rows_192, ragged, decode, swapped]:
         for m, n, k in shapes:
             for out in (dt.bfloat16, dt.float32):
                 cfg = pick_config(m, n, k, out.itemsize, H100)
@@ -504,6 +554,8 @@ class _DecodePlan:
 def _args(plan: _Plan, a_ptr: int, b_ptr: int, d_ptr: int, c_ptr: int, ld_c: int, w_ptr: int, counters: int) -> tuple:
     """The tiled kernel's arguments; w_ptr / counters: the split-K workspace and tile counters (0 without)."""
     maps = sm90.thread_maps()
+    if plan.cfg.swap_ab:  # the kernel's A is B, its B is A
+        a_ptr, b_ptr = b_ptr, a_ptr
     map_a, map_a_edge = sm90.operand_maps(maps, plan.map_a, plan.map_a_edge, a_ptr)
     map_b, map_b_edge = sm90.operand_maps(maps, plan.map_b, plan.map_b_edge, b_ptr)
     map_out = maps.get(plan.map_out, w_ptr if plan.epi == "EPI_SPLIT" else d_ptr)
@@ -556,26 +608,30 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
     defines = _defines(av.dtype, dv.dtype, cfg, epi, c_dtype, det, b_kn)
     launch = get_launcher("gemm.cu", "gemm_kernel", defines, av.device, _ARGS, (cfg.threads,), cfg.smem,
                           cluster=(cfg.cluster, 1, 1) if cfg.mcast else None, pdl=tuning.pdl)
-    tiles = -(-m // cfg.bm) * -(-n // cfg.bn)
-    grid = sm90.persistent_grid(launch, m, n, cfg.bm, cfg.bn, cfg.mcast, cfg.splits, cfg.smem, props)
+    # the kernel's A and B, M and N (swap_ab: D^T = B A^T)
+    ka, kb_, km, kn = (bv, av, n, m) if cfg.swap_ab else (av, bv, m, n)
+    tiles = -(-km // cfg.bm) * -(-kn // cfg.bn)
+    grid = sm90.persistent_grid(launch, km, kn, cfg.bm, cfg.bn, cfg.mcast, cfg.splits, cfg.smem, props)
     it = av.dtype.itemsize
     ld_w = -(-n // 4) * 4
-    cl_m, cl_n = sm90.cluster_tiles(m, n, cfg.bm, cfg.bn, cfg.mcast)
-    map_a = MapLayout(av.dtype, (k, m), (av.strides[0] * it,), (BK, sm90.box_rows(cfg.bm, sm90.sharers(cfg.mcast)[0])),
+    cl_m, cl_n = sm90.cluster_tiles(km, kn, cfg.bm, cfg.bn, cfg.mcast)
+    map_a = MapLayout(ka.dtype, (k, km), (ka.strides[0] * it,), (BK, sm90.box_rows(cfg.bm, sm90.sharers(cfg.mcast)[0])),
                       128, sm90.l2_promotion(cl_n, cfg.splits))
     if b_kn:  # [K, N]: boxes of 64 N x 64 K, loaded panel by panel (no edge map)
         map_b = map_b_edge = MapLayout(bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128,
                                        sm90.l2_promotion(cl_m, cfg.splits))
     else:
-        map_b = MapLayout(bv.dtype, (k, n), (bv.strides[0] * it,),
+        map_b = MapLayout(kb_.dtype, (k, kn), (kb_.strides[0] * it,),
                           (BK, sm90.box_rows(cfg.bn, sm90.sharers(cfg.mcast)[1])), 128,
                           sm90.l2_promotion(cl_m, cfg.splits))
-        map_b_edge = sm90.edge_map(map_b, n)
+        map_b_edge = sm90.edge_map(map_b, kn)
     epi_bytes = 4 if epi != "EPI_STORE" else dv.dtype.itemsize
     box_out = (epilogue_chunk(cfg.bn, epi_bytes), 64)
     swz = epilogue_swizzle(cfg.bn, epi_bytes)
     if epi == "EPI_SPLIT":
         map_out = MapLayout(dt.float32, (n, m), (ld_w * 4,), box_out, swz)
+    elif cfg.swap_ab:  # D^T tiles: 64 of D's columns (128 bytes) by a chunk of its rows
+        map_out = MapLayout(dv.dtype, (n, m), (dv.strides[0] * dv.dtype.itemsize,), box_out[::-1], 128)
     else:
         map_out = MapLayout(dv.dtype, (n, m), (dv.strides[0] * dv.dtype.itemsize,), box_out, swz)
     counters = ("splitk_counters", tiles * (cfg.bm // 64) * 4, True)  # one int per 64-row slice of every tile
@@ -585,8 +641,8 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
         scratch = (counters,)
     else:
         scratch = ()
-    return _Plan(cfg, epi, launch, grid, map_a, map_b, sm90.edge_map(map_a, m), map_b_edge, map_out, ld_w,
-                 scratch, c_dtype is not None, dv.strides[0], (m, n, k))
+    return _Plan(cfg, epi, launch, grid, map_a, map_b, sm90.edge_map(map_a, km), map_b_edge, map_out, ld_w,
+                 scratch, c_dtype is not None, dv.strides[0], (km, kn, k))
 
 
 def _same_memory(x: DeviceArray, y: DeviceArray) -> bool:

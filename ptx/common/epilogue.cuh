@@ -71,6 +71,24 @@ __device__ __forceinline__ void stmatrix_chunk(const float* acc, int j, u8* buf,
                 pack(acc[4 * j + 2], acc[4 * j + 3]));
 }
 
+// Columns j*CH .. j*CH+CH-1 of the accumulator transposed, for a TMA map over D^T: CH lines of 128 bytes (128-byte
+// swizzle), line c holding column j*CH + c of the warpgroup's 64 rows (stmatrix .trans: lane i gives the address of
+// the line of column i % 8 of matrix i / 8, at the granule of that matrix's 8 rows).
+template <int CH, typename Pack>
+__device__ __forceinline__ void stmatrix_chunk_trans(const float* acc, int j, u8* buf, int warp, int lane, Pack pack) {
+  const int granule = 2 * warp + lane / 8 % 2;
+#pragma unroll
+  for (int g = 0; g + 1 < CH / 8; g += 2) {  // two 8-column groups per stmatrix.x4
+    const int i = j * (CH / 8) + g;
+    stmatrix_x4<true>(buf + swizzled_offset<128>((g + lane / 16) * 8 + lane % 8, granule),
+                      pack(acc[4 * i], acc[4 * i + 1]), pack(acc[4 * i + 2], acc[4 * i + 3]),
+                      pack(acc[4 * i + 4], acc[4 * i + 5]), pack(acc[4 * i + 6], acc[4 * i + 7]));
+  }
+  if constexpr (CH == 8)
+    stmatrix_x2<true>(buf + swizzled_offset<128>(lane % 8, granule), pack(acc[4 * j], acc[4 * j + 1]),
+                      pack(acc[4 * j + 2], acc[4 * j + 3]));
+}
+
 // As stmatrix_chunk for fp32 outputs: columns j*CH .. j*CH+CH-1 (CH * 4 bytes a row, the map's swizzle span) as
 // 8-byte pairs.
 template <int CH>
@@ -90,13 +108,17 @@ __device__ __forceinline__ void f32_chunk(const float* acc, int j, u8* buf, int 
   }
 }
 
-// Chunk j as KIND: 16-bit kinds through stmatrix, fp32 as pairs.
-template <int KIND, int CH>
+// Chunk j as KIND: 16-bit kinds through stmatrix (TRANS: transposed), fp32 as pairs.
+template <int KIND, int CH, bool TRANS = false>
 __device__ __forceinline__ void chunk_to_smem(const float* acc, int j, u8* buf, int warp, int lane) {
+  static_assert(!TRANS || KIND != KIND_FP32, "transposed chunks: 16-bit kinds");
+  const auto pack = [](float a, float b) { return pack_f32x2<KIND>(a, b); };
   if constexpr (KIND == KIND_FP32) {
     f32_chunk<CH>(acc, j, buf, warp, lane);
+  } else if constexpr (TRANS) {
+    stmatrix_chunk_trans<CH>(acc, j, buf, warp, lane, pack);
   } else {
-    stmatrix_chunk<CH>(acc, j, buf, warp, lane, [](float a, float b) { return pack_f32x2<KIND>(a, b); });
+    stmatrix_chunk<CH>(acc, j, buf, warp, lane, pack);
   }
 }
 
@@ -105,8 +127,8 @@ __device__ __forceinline__ void chunk_to_smem(const float* acc, int j, u8* buf, 
 // `chunk_bytes` at `bufs` (`seq` counts the chunks the warpgroup ever issued and picks the buffer). `write(j, buf)`
 // fills chunk j; thread 0 then stores it with TMA at (col0 + j * CH, row0), or adds it (REDUCE). Before a buffer is
 // rewritten the TMA operation that last read it (two chunks back) must be done reading. `bar` is the warpgroup's
-// named barrier.
-template <int CHUNKS, int CH, bool REDUCE, typename Write>
+// named barrier. TRANS: the map is over D^T (chunks from stmatrix_chunk_trans), stored at (row0, col0 + j * CH).
+template <int CHUNKS, int CH, bool REDUCE, typename Write, bool TRANS = false>
 __device__ __forceinline__ void tma_store_chunks(const CUtensorMap_st* map, u8* bufs, int chunk_bytes, u32& seq,
                                                  int col0, int row0, int tid, int bar, Write write) {
 #pragma unroll
@@ -120,6 +142,8 @@ __device__ __forceinline__ void tma_store_chunks(const CUtensorMap_st* map, u8* 
     if (tid == 0) {
       if constexpr (REDUCE) {
         tma_reduce_add_2d(map, buf, col0 + j * CH, row0);
+      } else if constexpr (TRANS) {
+        tma_store_2d(map, buf, row0, col0 + j * CH);
       } else {
         tma_store_2d(map, buf, col0 + j * CH, row0);
       }
@@ -154,8 +178,9 @@ __device__ __forceinline__ void epilogue_drain(int tid) {
 }
 
 // ---- straight from registers ----------------------------------------------------------------------------------------
-// acc += C (a KIND array, row stride ld_c) for the fragment at (row0, col0), clipped to M x N (N even).
-template <int KIND, int ACC>
+// acc += C (a KIND array, row stride ld_c) for the fragment at (row0, col0), clipped to M x N (N even). TRANS: C
+// holds the transpose (the fragment's element (r, c) at C[c][r]; N may be odd).
+template <int KIND, int ACC, bool TRANS = false>
 __device__ __forceinline__ void add_to_fragment(float (&acc)[ACC], const void* c, i64 ld_c, int row0, int col0,
                                                 int M, int N, int warp, int lane) {
   const int r = row0 + warp * 16 + lane / 4;
@@ -164,7 +189,10 @@ __device__ __forceinline__ void add_to_fragment(float (&acc)[ACC], const void* c
     const int gc = col0 + i * 8 + (lane % 4) * 2;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      if (r + 8 * h < M && gc < N) {  // N is even, so gc + 1 < N too
+      if constexpr (TRANS) {
+        if (r + 8 * h < M && gc < N) acc[4 * i + 2 * h] += load_elem<KIND>(c, gc * ld_c + r + 8 * h);
+        if (r + 8 * h < M && gc + 1 < N) acc[4 * i + 2 * h + 1] += load_elem<KIND>(c, (gc + 1) * ld_c + r + 8 * h);
+      } else if (r + 8 * h < M && gc < N) {  // N is even, so gc + 1 < N too
         acc[4 * i + 2 * h] += load_elem<KIND>(c, (r + 8 * h) * ld_c + gc);
         acc[4 * i + 2 * h + 1] += load_elem<KIND>(c, (r + 8 * h) * ld_c + gc + 1);
       }

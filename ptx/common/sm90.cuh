@@ -329,9 +329,16 @@ __device__ __forceinline__ void fence_registers(u32 (&r)[R][C]) {
 // ---- epilogue: registers -> shared --------------------------------------------------------------------------------
 // Four 8x8 matrices of 16-bit pairs: lane i gives the row address for row i % 8 of matrix i / 8, and register j
 // holds this lane's pair (row lane / 4, columns 2 * (lane % 4) + {0, 1}) of matrix j: the wgmma accumulator layout.
+// TRANS: each matrix is stored transposed (lane i's address gets column i % 8 of matrix i / 8).
+template <bool TRANS = false>
 __device__ __forceinline__ void stmatrix_x4(void* row_addr, u32 r0, u32 r1, u32 r2, u32 r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
-               :: "r"(smem_u32(row_addr)), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+  if constexpr (TRANS) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(smem_u32(row_addr)), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+  } else {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                 :: "r"(smem_u32(row_addr)), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+  }
 }
 
 // The inverse: lane i gives the address of row i % 8 of matrix i / 8; r[j] receives this lane's 4 bytes (row
@@ -361,9 +368,15 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], u32 a0, u32 a1, u32 
 }
 
 // Two matrices; lanes 0..15 give the row addresses.
+template <bool TRANS = false>
 __device__ __forceinline__ void stmatrix_x2(void* row_addr, u32 r0, u32 r1) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1, %2};"
-               :: "r"(smem_u32(row_addr)), "r"(r0), "r"(r1) : "memory");
+  if constexpr (TRANS) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};"
+                 :: "r"(smem_u32(row_addr)), "r"(r0), "r"(r1) : "memory");
+  } else {
+    asm volatile("stmatrix.sync.aligned.m8n8.x2.shared.b16 [%0], {%1, %2};"
+                 :: "r"(smem_u32(row_addr)), "r"(r0), "r"(r1) : "memory");
+  }
 }
 
 // Byte offset of 16-byte granule `g` of row `row` in a tile of `ROW_BYTES`-byte rows that a TMA map with
