@@ -65,13 +65,9 @@ constexpr int P_STEPS = BN / 16;    // k16 steps of P V
 static_assert(D % 64 == 0 && D <= 256, "head dim: 64, 128, 192 or 256");
 static_assert(BN % 16 == 0 && BN <= 256 && BN >= 16, "BN must be a multiple of 16 in 16..256");
 static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
-// setmaxnreg moves registers between the warpgroups of the CTA's allocation at launch (THREADS x LAUNCH_REGS, the
-// per-thread count __launch_bounds__ allows): the consumers can grow only by what the producer gives back, or
-// setmaxnreg.inc waits forever.
-constexpr int LAUNCH_REGS = (65536 / THREADS) / 8 * 8 > 255 ? 255 : (65536 / THREADS) / 8 * 8;
 constexpr int PRODUCER_REGS = CONSUMERS == 2 ? 40 : 32;
 constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 160 : CONSUMERS == 2 ? 232 : 256;
-static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS * LAUNCH_REGS,
+static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS * launch_regs(THREADS),
               "setmaxnreg beyond the CTA's register allocation");
 
 // O_BUFFER: O is staged in a tile of its own, so that the Q tile is free as soon as a unit's last Q K^T is done

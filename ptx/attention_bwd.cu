@@ -87,10 +87,9 @@ static_assert(D == 64 || D == 128 || D == 256, "head dim 64, 128 or 256");
 static_assert(BM == 64 || (BM == 128 && D == 64), "query tiles of 64 rows, or 128 at head dim 64");
 static_assert(SPLIT_D ? BN == 64 && BM == 64 : KEYS == 64, "64 keys a consumer warpgroup (head dim 256: 64 a CTA)");
 
-constexpr int LAUNCH_REGS = (65536 / THREADS) / 8 * 8;
 constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = 232;
-static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS * LAUNCH_REGS,
+static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS * launch_regs(THREADS),
               "setmaxnreg beyond the CTA's register allocation");
 
 // Shared memory (1024-byte aligned base): K | V | Q stages | dO stages | dS^T x 2 (SPLIT_D: within the epilogue's

@@ -111,7 +111,8 @@ static_assert(BN % 8 == 0 && BN >= 8 && BN <= 256, "BN must be a multiple of 8 i
 // would wait forever for registers that the producer cannot free).
 static_assert(BM == 64 || BM == 128 || (BM == 192 && BN <= 192), "BM must be 64, 128 or 192 (with BN <= 192)");
 static_assert(BM != 192 || EPI != EPI_SPLIT || BN <= 160, "192-row split-K tiles: BN <= 160 (the finish spills)");
-static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= 65536, "setmaxnreg beyond the register file");
+static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS * launch_regs(THREADS),
+              "setmaxnreg beyond the CTA's register allocation");
 static_assert(!TRANS_OUT || (EPI == EPI_STORE && OUT_BYTES == 2), "transposed tiles: stored, 16-bit D");
 
 // Shared memory (from a 1024-byte aligned base):

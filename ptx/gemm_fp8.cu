@@ -140,6 +140,8 @@ constexpr int ACC = BN / 2;  // fp32 accumulator registers per thread for m64nBN
 constexpr bool SCRATCH2 = SUBS == 1 && HALVES == 1 && !WGRAD && BN <= 128 && CONSUMERS < 3;
 constexpr int PRODUCER_REGS = 40;
 constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : CONSUMERS == 2 ? 232 : 152;
+static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS * launch_regs(THREADS),
+              "setmaxnreg beyond the CTA's register allocation");
 static_assert(BM == 64 || BM == 128 || BM == 192 || BM == 256, "BM must be 64, 128, 192 or 256");
 static_assert(BM != 192 || (BN <= 128 && LAYOUT != LAYOUT_MASKED && (LAYOUT != LAYOUT_CONTIGUOUS || TILE_LIST)),
               "three consumers: m64nBN result and scratch in 152 registers; not masked, contiguous from a list");

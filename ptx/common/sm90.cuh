@@ -452,6 +452,13 @@ __device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffff
 // must call it.
 __device__ __forceinline__ int warp_uniform(int v) { return __shfl_sync(0xffffffffu, v, 0); }
 
+// setmaxnreg only moves registers between the warpgroups of the CTA's allocation at launch (THREADS x
+// launch_regs(THREADS), the per-thread count __launch_bounds__(THREADS, 1) allows): the consumers can grow only by
+// what the producer gives back, or setmaxnreg.inc waits forever. Kernels check it with static_assert.
+__host__ __device__ constexpr int launch_regs(int threads) {
+  return (65536 / threads) / 8 * 8 > 255 ? 255 : (65536 / threads) / 8 * 8;
+}
+
 template <int REGS>
 __device__ __forceinline__ void regs_increase() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(REGS));
