@@ -22,7 +22,8 @@ def fake(shape, dtype, strides=None, offset=0):
 
 
 @pytest.mark.parametrize("shape", g.BENCH_SHAPES["large"] + g.BENCH_SHAPES["skinny"] + [
-    (1, 8, 8), (17, 24, 40), (160, 7168, 8192), (192, 512, 16384), (336, 4096, 8192), (384, 7168, 2048)])
+    (1, 8, 8), (17, 24, 40), (160, 7168, 8192), (192, 512, 16384), (336, 4096, 8192), (384, 7168, 2048),
+    (300, 8192, 28672), (320, 8192, 8192)])
 @pytest.mark.parametrize("out_bytes", [2, 4])
 @pytest.mark.parametrize("split_k", [None, 1, 7])
 def test_config_fits_and_matches_the_kernel_layout(shape, out_bytes, split_k):
@@ -543,6 +544,10 @@ def test_swap_picks():
         assert not g.pick_config(783, 16384, 1024, 2, props).swap_ab   # short K (1.075x the unswapped time)
         assert g.pick_config(700, 8192, 28672, 2, props).swap_ab
         assert not g.pick_config(300, 8192, 28672, 2, props, tuning=g.GemmTuning(swap_ab=False)).swap_ab
+        forced = g.GemmTuning(force_config=pick)  # a forced swapped config where it cannot run: a clear error
+        for kw in ({"out_bytes": 4}, {"accumulate": True}, {"b_kn": True}):
+            with pytest.raises(ValueError, match="swap_ab"):
+                g.pick_config(300, 8192, 28672, **{"out_bytes": 2, "props": props, "tuning": forced, **kw})
 
 
 def test_ragged_m_takes_the_least_loaded_tiles():

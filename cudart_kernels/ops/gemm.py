@@ -353,7 +353,11 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     """
     t = tuning
     if t.force_config is not None:
-        return t.force_config
+        cfg = t.force_config
+        if cfg.swap_ab and (b_kn or accumulate or out_bytes != 2 or cfg.splits > 1):
+            raise ValueError("a swapped-operand config (swap_ab) needs B as [N, K], a 16-bit D that is not C "
+                             "accumulated in place, and no split-K")
+        return cfg
     bm = row_tile(m)
     k_blocks = -(-k // BK)
     budget = props.smem_per_block_optin
@@ -496,7 +500,7 @@ def variants():
 
     # 192 rows: 192-row tiles split, unsplit and paired; a wave of 64-row tiles in three rows
     rows_192 = [(192, 512, 16384), (192, 14336, 2048), (384, 7168, 8192), (192, 7168, 2048)]
-    swapped = [(300, 8192, 28672), (129, 28672, 4096), (700, 10240, 5120)]  # D^T = B A^T (bf16 D only)
+    swapped = [(300, 8192, 28672), (129, 28672, 4096), (320, 8192, 8192), (700, 36864, 7168)]  # D^T = B A^T
     ragged = [(777, 1000, 4096), (777, 600, 8192)]  # M and N not multiples of the tile: edge maps (unsplit, split)
     decode = [(16, 1280, 4096)]   # the decode kernel (no benchmark shape picks it)
     for shapes in list(BENCH_SHAPES.values()) + [rows_192, ragged, decode, swapped]:
