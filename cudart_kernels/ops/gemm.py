@@ -350,6 +350,8 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     with a throughput model (`split_time_us`); at M 193..256 split-K in clusters of four 64-row tiles takes over
     where the model puts it lower (`quad_candidate`), and the pick gives way to one wave of unsplit tiles that the
     model puts within `close` of it (`unsplit_wave`). `split_k` forces the count. Stages fill the smem budget.
+    Last, at M 129..1024 with a 16-bit D, B as [N, K] and no forced split, swapped operands (D^T = B A^T, the
+    config's BM over N and BN over M) take over where `swap_candidate` puts them below swap_share of the pick.
     """
     t = tuning
     if t.force_config is not None:
