@@ -37,12 +37,14 @@
 // STREAM_B = 1 loads B with an evict-first L2 policy (`l2_evict_first`; the host sets it where all of a B tile's
 // readers run in one wave).
 //
-// L2_WARM = 1 (launched with PDL): before pdl_wait, a producer warp prefetches B's first k block into L2.
+// L2_WARM = 1 (launched with PDL): before pdl_wait, a producer warp prefetches B's first k block into L2 (A's,
+// the weights, with TRANS_OUT).
 //
 // BM = 192 (three consumers, BN <= 192) fits M in 129..192 (and 2 x 192 rows) without padding it to 256 rows: a
-// 128-row tile there computes a second, mostly empty, row block.
+// 128-row tile there computes a second, mostly empty, row block. BM = 256 (four consumers, BN <= 112, stored): tall,
+// narrow tiles of swapped operands (TRANS_OUT), e.g. three columns of 88 over M = 257.
 //
-// Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64, 128 or 192), BN (8..256, step 8), STAGES, EPI,
+// Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64, 128, 192 or 256), BN (8..256, step 8), STAGES, EPI,
 // C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST, STREAM_B, L2_WARM, TRANS_OUT.
 #include "common/epilogue.cuh"
 #include "common/pipeline.cuh"
@@ -104,12 +106,13 @@ static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0 && !B_KN) || (MCAST == 2
               "multicast parts must be whole 8-row swizzle atoms");
 constexpr int ACC = BN / 2;                          // fp32 accumulators per thread for m64nBN
 constexpr int PRODUCER_REGS = 40;
-// setmaxnreg: the producer's 128 threads keep 40 registers, the consumers share the rest of the 64 K.
-constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : CONSUMERS == 2 ? 232 : 152;
+// setmaxnreg: the producer's 128 threads keep 40 registers, the consumers share the rest of the CTA's allocation.
+constexpr int CONSUMER_REGS = CONSUMERS == 1 ? 256 : CONSUMERS == 2 ? 232 : CONSUMERS == 3 ? 152 : 104;
 static_assert(BN % 8 == 0 && BN >= 8 && BN <= 256, "BN must be a multiple of 8 in 8..256");
-// Three consumers get 152 registers each: 64 x BN accumulators up to BN = 192. Four would not fit (setmaxnreg
-// would wait forever for registers that the producer cannot free).
-static_assert(BM == 64 || BM == 128 || (BM == 192 && BN <= 192), "BM must be 64, 128 or 192 (with BN <= 192)");
+// Three consumers get 152 registers each: 64 x BN accumulators up to BN = 192; four (BM = 256, stored tiles) get 104
+// (launch_regs(640) = 96): up to BN = 112.
+static_assert(BM == 64 || BM == 128 || (BM == 192 && BN <= 192) || (BM == 256 && BN <= 112 && EPI == EPI_STORE),
+              "BM must be 64, 128, 192 (with BN <= 192) or 256 (BN <= 112, EPI_STORE)");
 static_assert(BM != 192 || EPI != EPI_SPLIT || BN <= 160, "192-row split-K tiles: BN <= 160 (the finish spills)");
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS * launch_regs(THREADS),
               "setmaxnreg beyond the CTA's register allocation");
@@ -216,7 +219,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
       if (!sched.more(sched.first)) return;
       const GemmTile t = sched.tile(sched.first);
       if (t.kb0 >= t.kb1) return;
-      if constexpr (B_KN) {
+      if constexpr (TRANS_OUT) {  // swapped operands: the weights are A (B is the previous kernel's output)
+        tma_prefetch_rows<a_sharers(MCAST)>(&tm_a, &tm_a_edge, t.kb0 * BK, t.m0, BM, M, rank);
+      } else if constexpr (B_KN) {
 #pragma unroll
         for (int p = 0; p < B_PANELS; ++p)
           if (t.n0 + p * 64 < N) tma_prefetch_2d(&tm_b, t.n0 + p * 64, t.kb0 * BK);

@@ -82,6 +82,15 @@ b_s = DeviceArray.from_numpy(b_w.numpy()[:1000].copy())
 d = ck.gemm(a_s, b_s, c=c_s, tuning=g.GemmTuning(force_config=cfg_s))
 ref_s = a_s.numpy().astype(np.float64) @ b_s.numpy().astype(np.float64).T + c_s.numpy().astype(np.float64)
 assert np.abs(d.numpy().astype(np.float64) - ref_s).max() < 2e-2 * np.abs(ref_s).max()
+# ... and 256-row swapped tiles (four consumers), alone (three column tiles over M = 257) and in pairs sharing the
+# weights (four column tiles over M = 288)
+for m_s, bn_s in ((257, 88), (288, 72)):
+    cfg_s = g.make_config(1000, m_s, 2056, 2, device_properties(0), 256, bn_s, 1, swap_ab=True)
+    assert cfg_s.mcast == (g.MCAST_SHARE_A if m_s == 288 else g.MCAST_NONE), cfg_s
+    a_s = DeviceArray.from_numpy(rng.standard_normal((m_s, 2056)).astype(ck.bfloat16.numpy))
+    d = ck.gemm(a_s, b_s, tuning=g.GemmTuning(force_config=cfg_s))
+    ref_s = a_s.numpy().astype(np.float64) @ b_s.numpy().astype(np.float64).T
+    assert np.abs(d.numpy().astype(np.float64) - ref_s).max() < 2e-2 * np.abs(ref_s).max(), m_s
 print("gemm sanitize cases ran")
 
 # 2-CTA clusters with multicast (forced on both sides; odd tile rows leave a spare tile), plain and split-K.

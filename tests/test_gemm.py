@@ -112,9 +112,10 @@ def test_config_choices():
 def test_one_wave_of_unsplit_tiles_beats_a_close_split():
     # Measured on an H200 (2026-11-28): one wave of unsplit 64-row tiles ran 0.55-1.0x the time of the split
     # picks they replace on 46 of 50 changed shapes (160x2560x1024 9.2 -> 5.0 us, 384x4096x4096 31.2 -> 22.6)
+    unswapped = g.GemmTuning(swap_ab=False)  # (384x4096x4096 swaps since: 128 x 96 pairs over N, 96 columns over M)
     for p in (H100, H200):
         for (m, n, k), bn in (((1024, 1024, 4096), 128), ((384, 4096, 4096), 192), ((160, 2560, 1024), 64)):
-            cfg = g.pick_config(m, n, k, 2, p)
+            cfg = g.pick_config(m, n, k, 2, p, tuning=unswapped)
             assert (cfg.bm, cfg.bn, cfg.splits) == (64, bn, 1)
             assert 0.9 * p.sm_count <= -(-m // 64) * -(-n // bn) <= p.sm_count
         # long K with few tiles still splits: a wave of narrow tiles over all of K is far slower
@@ -158,7 +159,7 @@ def test_a_wave_short_of_full_grid_counts_where_no_width_fills_it():
     # wave_fill of them competes with the pick (160x3072x2048: 192 x 48 x 2 11.0 us -> 64 x 80 in 117 tiles 7.6;
     # 320x1024x2048: 128 x 48 x 2 8.6 -> 64 x 48 in 110 tiles 6.6); where one does, the lower-fill widths stay out
     # (1024x512x4096: 64 x 64 in 128 tiles 12.7 us, 64 x 80 in 112 tiles 13.9)
-    full = replace(g.TUNING, wave_fill=g.TUNING.full_grid)
+    full = replace(g.TUNING, wave_fill=g.TUNING.full_grid, swap_ab=False)  # (the split there would swap)
     for p in (H100, H200):
         for (m, n, k), want, before in (((160, 3072, 2048), (64, 80, 1), (192, 48, 2)),
                                         ((320, 1024, 2048), (64, 48, 1), (128, 48, 2))):
@@ -512,7 +513,8 @@ def test_consumers_past_m_only_free_the_stages(rng, shape, tile):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,tile", [((300, 1000, 1040), (128, 152)), ((257, 520, 200), (64, 136)),
                                         ((77, 200, 3000), (192, 80)), ((700, 4160, 520), (128, 240)),
-                                        ((129, 264, 72), (64, 8)), ((1000, 136, 64), (128, 256))],
+                                        ((129, 264, 72), (64, 8)), ((1000, 136, 64), (128, 256)),
+                                        ((257, 1000, 1040), (256, 88)), ((300, 600, 200), (256, 112))],
                          ids=lambda s: "x".join(map(str, s)))
 def test_swapped_operands(rng, shape, tile):
     """D^T = B A^T written through the transposed epilogue (TRANS_OUT): M (odd or not) on the tile's columns, N
@@ -544,10 +546,28 @@ def test_swap_picks():
         assert not g.pick_config(783, 16384, 1024, 2, props).swap_ab   # short K (1.075x the unswapped time)
         assert g.pick_config(700, 8192, 28672, 2, props).swap_ab
         assert not g.pick_config(300, 8192, 28672, 2, props, tuning=g.GemmTuning(swap_ab=False)).swap_ab
+        # H200, 2026-11-29, same rounds with cuBLAS: 300x10240x8192 256 x 104 (three columns over M) 1.007x cuBLAS's
+        # time against 1.171 for 128 x 240 unswapped; 144x10240x5120 192 x 72 in pairs 0.856 against 0.980
+        for shape, want in (((300, 10240, 8192), (256, 104, g.MCAST_NONE)),
+                            ((144, 10240, 5120), (192, 72, g.MCAST_SHARE_A))):
+            cfg = g.pick_config(*shape, 2, props)
+            assert cfg.swap_ab and (cfg.bm, cfg.bn, cfg.mcast) == want, shape
         forced = g.GemmTuning(force_config=pick)  # a forced swapped config where it cannot run: a clear error
         for kw in ({"out_bytes": 4}, {"accumulate": True}, {"b_kn": True}):
             with pytest.raises(ValueError, match="swap_ab"):
                 g.pick_config(300, 8192, 28672, **{"out_bytes": 2, "props": props, "tuning": forced, **kw})
+
+
+def test_busy_tile_price():
+    """`busy_kblock_us`: wide tiles pay for their area, narrow tall ones for the rows they load (pairs sharing A load
+    half of A's); a lone partial wave is cheaper per k block; swapped pairs only over an even count of columns."""
+    t = g.TUNING
+    assert g.busy_kblock_us(128, 256) == pytest.approx(t.area_kb_us * 128 * 256)
+    assert g.busy_kblock_us(256, 64) == pytest.approx(t.row_kb_us * 320)
+    assert g.busy_kblock_us(256, 64, g.MCAST_SHARE_A) == pytest.approx(t.area_kb_us * 256 * 64)  # 192 rows' load
+    assert g.busy_kblock_us(64, 256) == pytest.approx(t.area_kb_us * 64 * 256)  # one consumer: the area alone
+    assert g.lone_wave_share(132, H200) == 1.0 and g.lone_wave_share(66, H200) == pytest.approx(0.85)
+    assert g.swap_pairs(300, 128, 152) and not g.swap_pairs(300, 256, 104) and not g.swap_pairs(300, 64, 152)
 
 
 def test_ragged_m_takes_the_least_loaded_tiles():

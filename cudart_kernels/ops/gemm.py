@@ -59,15 +59,23 @@ class GemmTuning(sm90.Sm90Tuning):
     quad_clusters_share: float = 0.85   # ... and at M 193..256 in clusters of four sharing B, up to this share (quad_split)
     # Swapped operands (`swap_candidate`): D^T = B A^T, so that M runs over the tile's columns (steps of 8, not
     # 64). For 16-bit D, B as [N, K], the heuristic's split count, M in swap_min_m..swap_max_m and K >= swap_min_k,
-    # where its best estimate is below swap_share of the pick's (both `busiest_cta_us`).
+    # where its best estimate is below swap_share of the pick's (both priced by `busy_kblock_us`).
     swap_ab: bool = True
     swap_min_m: int = 129
     swap_max_m: int = 1024
     swap_min_k: int = 2048
     swap_min_bn: int = 64
-    swap_share: float = 0.95
+    swap_share: float = 1.0
+    # `busy_kblock_us`: an unsplit tile's k block where every SM works costs area_kb_us per output element (the
+    # tensor rate the grid sustains) or, for 128 rows and more, row_kb_us per operand row the CTA loads (a pair's
+    # shared operand counts half), whichever is more; a lone partial wave scales it by (1 - lone_wave_gain) +
+    # lone_wave_gain x its share of the SMs (less contention for L2 and DRAM).
+    area_kb_us: float = 2.6e-5
+    row_kb_us: float = 2e-3
+    lone_wave_gain: float = 0.3
     bm192_max_bn: int = 192             # three consumers get 152 registers each
     bm192_split_max_bn: int = 160
+    bm256_max_bn: int = 112             # four consumers get 104 registers each (unsplit, stored: swapped only)
     # Unsplit tiles where M > 128 is not a multiple of 128 (`ragged_pick`): the last row of tiles has consumers
     # whose rows are all past M, which skip their wgmma. A 192-row tile's k block costs tall_kb_share x 1.5 x a
     # 128-row one's (the per-flop rate of three consumers), and a 128-row tile with one consumer's rows
@@ -242,6 +250,11 @@ def ragged_time_us(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProper
     (ptx/common/scheduler.cuh ROTATE_ROWS). A tile costs its k blocks (`kblock_us` of 128 rows; tall_kb_share x 1.5
     of it for 192) times the share of its consumers with rows below M (one of two: lone_consumer_share); a pair
     sharing B costs its dearer tile."""
+    return ragged_load(m, n, bm, bn, props, tuning) * tile_kblock_us(bm, bn, tuning) * -(-k // BK)
+
+
+def ragged_load(m: int, n: int, bm: int, bn: int, props: DeviceProperties, tuning: GemmTuning = TUNING) -> float:
+    """The busiest CTA's work in whole BM x BN tiles (BM 128 or 192) under `ragged_time_us`'s order and shares."""
     t = tuning
     mcast = sm90.pick_multicast(m, n, bm, bn, 1, False, props, t)
     share_a, share_b = sm90.sharers(mcast)
@@ -259,7 +272,7 @@ def ragged_time_us(m: int, n: int, k: int, bm: int, bn: int, props: DeviceProper
     rows = np.minimum(group, cl_m - first)
     r = unit % gsize % rows
     load = np.bincount(unit % step, weights=share[first + (r + (unit - r) // step) % rows], minlength=step)
-    return float(load.max()) * tile_kblock_us(bm, bn, t) * -(-k // BK)
+    return float(load.max())
 
 
 def tile_kblock_us(bm: int, bn: int, tuning: GemmTuning = TUNING) -> float:
@@ -278,6 +291,8 @@ def ragged_pick(m: int, n: int, k: int, epi_bytes: int, props: DeviceProperties,
 
 def _bn_fits(bm: int, bn: int, splits: int, tuning: GemmTuning) -> bool:
     """Whether ptx/gemm.cu's BM x BN tile fits the consumers' registers."""
+    if bm == 256:
+        return splits == 1 and bn <= tuning.bm256_max_bn
     return bm != 192 or bn <= (tuning.bm192_split_max_bn if splits > 1 else tuning.bm192_max_bn)
 
 
@@ -391,29 +406,60 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     return make_config(m, n, k, out_bytes, props, bm, bn, splits, accumulate, b_kn, t)
 
 
+def busy_kblock_us(bm: int, bn: int, mcast: int = MCAST_NONE, tuning: GemmTuning = TUNING) -> float:
+    """Microseconds per k block of an unsplit BM x BN tile where every SM works: area_kb_us per output element or,
+    from 128 rows, row_kb_us per row of A and B the CTA loads (half of a pair's shared one), whichever is more
+    (narrow tiles wait on their loads). Fitted on 121 shapes at M 129..1024 (H200, docs/tuning.md)."""
+    t = tuning
+    area = t.area_kb_us * bm * bn
+    if bm < 128:
+        return area
+    share_a, share_b = sm90.sharers(mcast)
+    return max(area, t.row_kb_us * (bm / share_a + bn / share_b))
+
+
+def lone_wave_share(tiles: int, props: DeviceProperties, tuning: GemmTuning = TUNING) -> float:
+    """Scale of `busy_kblock_us` for a grid of `tiles`: below one wave, the SMs that work share L2 and DRAM with
+    fewer others."""
+    if tiles >= props.sm_count:
+        return 1.0
+    return 1.0 - tuning.lone_wave_gain + tuning.lone_wave_gain * tiles / props.sm_count
+
+
 def busiest_cta_us(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: DeviceProperties,
                    tuning: GemmTuning = TUNING) -> float:
-    """Estimated time of a config: the busiest CTA's tiles (`ragged_time_us`: idle consumers past M, pairs) for
-    unsplit 128- and 192-row tiles, else `split_time_us`."""
-    if splits == 1 and bm in (128, 192):
-        return ragged_time_us(m, n, k, bm, bn, props, tuning)
-    return split_time_us(m, n, k, bm, bn, splits, props, tuning)
+    """Estimated time of an unswapped config, priced like `swap_candidate`'s: the busiest CTA's tiles
+    (`ragged_load` for 128 and 192 rows, else waves of tiles) at `busy_kblock_us`; split configs
+    `split_time_us`."""
+    if splits > 1:
+        return split_time_us(m, n, k, bm, bn, splits, props, tuning)
+    tiles = -(-m // bm) * -(-n // bn)
+    load = ragged_load(m, n, bm, bn, props, tuning) if bm in (128, 192) else -(-tiles // props.sm_count)
+    mcast = sm90.pick_multicast(m, n, bm, bn, 1, False, props, tuning)
+    return load * -(-k // BK) * busy_kblock_us(bm, bn, mcast, tuning) * lone_wave_share(tiles, props, tuning)
+
+
+def swap_pairs(m: int, bm: int, bn: int, tuning: GemmTuning = TUNING) -> bool:
+    """Whether swapped BM x BN tiles (BM >= 128) run in pairs along D's rows sharing A (the weights): where D's M
+    takes an even count of column tiles (an odd count leaves a spare tile in every cluster: 2.15x the time)."""
+    return tuning.multicast and bm >= 128 and -(-m // bn) % 2 == 0
 
 
 def swap_candidate(m: int, n: int, k: int, props: DeviceProperties, tuning: GemmTuning = TUNING) -> tuple | None:
-    """(estimate us, BM, BN) of the cheapest unsplit config of D^T = B A^T: BM (128 or 192) over N, BN over M
-    the narrowest multiple of 8 for each count of column tiles, down to swap_min_bn; waves of tiles at
-    `tile_kblock_us` per k block (a tile's columns past M cost as much as the others). None where none fits.
-    Fitted on 22 shapes at M 129..700 (H200, docs/tuning.md)."""
+    """(estimate us, BM, BN) of the cheapest unsplit config of D^T = B A^T: BM (128, 192 or 256) over N, BN over
+    M the narrowest multiple of 8 for each count of column tiles, down to swap_min_bn; waves of tiles at
+    `busy_kblock_us` (a tile's columns past M cost as much as the others). None where none fits."""
     t = tuning
     cands = []
-    for bm in (128, 192):
+    for bm in (128, 192, 256):
         widths = {-(-m // (8 * c)) * 8 for c in range(1, -(-m // t.swap_min_bn) + 1)}
         for bn in sorted(widths):
             if (t.swap_min_bn <= bn <= 256 and _bn_fits(bm, bn, 1, t)
                     and max_stages(bm, bn, 2, props.smem_per_block_optin) >= 2):
-                waves = -(-(-(-n // bm) * -(-m // bn)) // props.sm_count)
-                cands.append((waves * -(-k // BK) * tile_kblock_us(bm, bn, t), bm, bn))
+                tiles = -(-n // bm) * -(-m // bn)
+                mcast = MCAST_SHARE_A if swap_pairs(m, bm, bn, t) else MCAST_NONE
+                per_kb = busy_kblock_us(bm, bn, mcast, t) * lone_wave_share(tiles, props, t)
+                cands.append((-(-tiles // props.sm_count) * -(-k // BK) * per_kb, bm, bn))
     return min(cands, key=lambda c: (round(c[0], 3), -c[2], c[1])) if cands else None
 
 
@@ -452,8 +498,12 @@ def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     the kernel's (`swap_ab`: D's N and M)."""
     epi = 4 if (splits > 1 or accumulate) else out_bytes
     stages = max_stages(bm, bn, epi, props.smem_per_block_optin, b_kn)
-    mcast = (sm90.MCAST_SHARE_B4 if quad_split(m, n, bm, bn, splits, b_kn, props, tuning)
-             else sm90.pick_multicast(m, n, bm, bn, splits, b_kn, props, tuning))
+    if swap_ab and tuning.force_mcast is None:
+        mcast = MCAST_SHARE_A if swap_pairs(n, bm, bn, tuning) else MCAST_NONE
+    elif quad_split(m, n, bm, bn, splits, b_kn, props, tuning):
+        mcast = sm90.MCAST_SHARE_B4
+    else:
+        mcast = sm90.pick_multicast(m, n, bm, bn, splits, b_kn, props, tuning)
     return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn), mcast,
                       sm90.group_rows(m, n, bm, bn, mcast, props), sm90.streams_b(m, k, 2, tuning) and not b_kn,
                       tuning.pdl and tuning.warm_l2, swap_ab)
@@ -502,7 +552,8 @@ def variants():
 
     # 192 rows: 192-row tiles split, unsplit and paired; a wave of 64-row tiles in three rows
     rows_192 = [(192, 512, 16384), (192, 14336, 2048), (384, 7168, 8192), (192, 7168, 2048)]
-    swapped = [(300, 8192, 28672), (129, 28672, 4096), (320, 8192, 8192), (700, 36864, 7168)]  # D^T = B A^T
+    # D^T = B A^T: 128, 192 and 256 rows, alone and in pairs
+    swapped = [(300, 8192, 28672), (129, 28672, 4096), (300, 10240, 8192), (144, 10240, 5120), (700, 36864, 7168)]
     ragged = [(777, 1000, 4096), (777, 600, 8192)]  # M and N not multiples of the tile: edge maps (unsplit, split)
     decode = [(16, 1280, 4096)]   # the decode kernel (no benchmark shape picks it)
     for shapes in list(BENCH_SHAPES.values()) + [rows_192, ragged, decode, swapped]:
