@@ -78,9 +78,10 @@ def test_config_choices():
     # few tiles, long K: split
     assert g.pick_config(128, 128, 65536, 2, H100).splits >= 16
     # M <= 128 splits with 64-row tiles paired along M: 128x128x65536 64x64 x 30 (16.6 us) rather than 128x64 x 64
-    # paired along N (17.4); M = 256 keeps 128-row tiles, unless in clusters of four (test below)
+    # paired along N (17.4); since the operand-rows filter (test below) 64 x 128, one column of tiles; M = 256 keeps
+    # 128-row tiles, unless in clusters of four (test below)
     cfg = g.pick_config(128, 128, 65536, 2, H100)
-    assert (cfg.bm, cfg.bn, cfg.splits, cfg.mcast) == (64, 64, 30, g.MCAST_SHARE_B)
+    assert (cfg.bm, cfg.bn, cfg.splits, cfg.mcast) == (64, 128, 20, g.MCAST_SHARE_B)
     no_quad = replace(g.TUNING, quad_clusters_share=0)
     assert (g.pick_config(128, 2048, 28672, 2, H100).bm, g.pick_config(256, 256, 32768, 2, H100, tuning=no_quad).bm) \
         == (64, 128)
@@ -168,6 +169,20 @@ def test_a_wave_short_of_full_grid_counts_where_no_width_fills_it():
             assert -(-m // cfg.bm) * -(-n // cfg.bn) < g.TUNING.full_grid * p.sm_count
         cfg = g.pick_config(1024, 512, 4096, 2, p)
         assert (cfg.bm, cfg.bn, cfg.splits) == (64, 64, 1)
+
+
+def test_split_pick_drops_candidates_that_load_many_more_rows():
+    """choose_split keeps the close candidates loading at most split_rows_share x the fewest operand rows: N = 128 in
+    one column of 128 (the pair shares B: 2 x (64 + 64) rows a k block) rather than two of 96 (4 x (64 + 48)). H200,
+    2026-11-29, same rounds with cuBLAS: 17 changed cases 0.826-1.003x the time (geomean 0.942), 128x128x65536
+    0.935, 256x128x65536 0.826."""
+    for p in (H100, H200):
+        cfg = g.pick_config(128, 128, 65536, 2, p)
+        assert (cfg.bm, cfg.bn, cfg.mcast) == (64, 128, g.MCAST_SHARE_B) and cfg.splits > 16
+        assert g.operand_rows(128, 128, 64, 128, 20, False, p) == 2 * (64 + 64)
+        assert g.operand_rows(128, 128, 64, 96, 33, False, p) == 4 * (64 + 48)
+        old = g.pick_config(128, 128, 65536, 2, p, tuning=replace(g.TUNING, split_rows_share=float("inf")))
+        assert old.bn < 128
 
 
 def test_split_k_at_four_rows_of_64_runs_clusters_of_four():

@@ -54,6 +54,7 @@ class GemmTuning(sm90.Sm90Tuning):
     full_grid: float = 0.9              # a grid of units this share of the SMs counts as full
     wave_fill: float = 0.8              # unsplit_wave: a wave on this share competes where none reaches full_grid
     close: float = 1.05                 # estimates this close to the best: widest tile, then most units
+    split_rows_share: float = 1.4       # ... of those loading at most this x the fewest operand rows (`choose_split`)
     paired_factor: float = 0.95         # split candidates that pair tiles count at this share of their estimate
     split_bm64_max_m: int = 128         # split-K up to this M searches 64-row tiles
     quad_clusters_share: float = 0.85   # ... and at M 193..256 in clusters of four sharing B, up to this share (quad_split)
@@ -344,12 +345,24 @@ def quad_split(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, props:
             and -(-n // bn) * splits <= tuning.quad_clusters_share * props.sm_count / 4)
 
 
-def choose_split(cands: list, m: int, n: int, props: DeviceProperties, tuning: GemmTuning = TUNING) -> tuple:
-    """The candidate to run: among those within `close` of the best estimate, the ones whose units busy nearly
-    every SM if any (more loads in flight), then the widest tile, then the most units (wide tiles stream DRAM
-    better; the estimates of DRAM-bound configs are nearly equal)."""
+def operand_rows(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, props: DeviceProperties,
+                 tuning: GemmTuning = TUNING) -> float:
+    """Operand rows the grid's tiles load per k block: each tile its BM rows of A and BN of B, a pair's shared
+    tile once (the same for every split count)."""
+    share_a, share_b = sm90.sharers(sm90.pick_multicast(m, n, bm, bn, splits, b_kn, props, tuning))
+    return -(-m // bm) * -(-n // bn) * (bm / share_a + bn / share_b)
+
+
+def choose_split(cands: list, m: int, n: int, b_kn: bool, props: DeviceProperties,
+                 tuning: GemmTuning = TUNING) -> tuple:
+    """The candidate to run: among those within `close` of the best estimate and loading at most
+    split_rows_share x the fewest `operand_rows` of them, the ones whose units busy nearly every SM if any (more
+    loads in flight), then the widest tile, then the most units (wide tiles stream DRAM better; the estimates of
+    DRAM-bound configs are nearly equal)."""
     best = min(c[0] for c in cands)
     close = [c for c in cands if c[0] <= tuning.close * best]
+    rows = {c: operand_rows(m, n, c[1], c[2], c[3], b_kn, props, tuning) for c in close}
+    close = [c for c in close if rows[c] <= tuning.split_rows_share * min(rows.values())]
     full = [c for c in close if -(-m // c[1]) * -(-n // c[2]) * c[3] >= tuning.full_grid * props.sm_count]
     return max(full or close, key=lambda c: (c[2], c[3]))
 
@@ -383,7 +396,7 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     bn0 = sm90.fewest_waves_bn(m, n, bm, [b for b in _bn_candidates(n) if _bn_fits(bm, b, 1, t)
                                           and max_stages(bm, b, epi_plain, budget, b_kn) >= 2], props)
     if split_k is None and not unsplit_fills(m, n, bm, bn0, props, t) and k_blocks >= 2 * t.min_kblocks_per_split:
-        est, bm, bn, splits = choose_split(split_candidates(m, n, k, bm, bn0, b_kn, props, t), m, n, props, t)
+        est, bm, bn, splits = choose_split(split_candidates(m, n, k, bm, bn0, b_kn, props, t), m, n, b_kn, props, t)
         quad = quad_candidate(m, n, k, b_kn, props, t)
         if quad is not None and quad[0] < est:
             est, bm, bn, splits = quad
