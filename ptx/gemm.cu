@@ -212,8 +212,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
                                                                               rank, CLUSTER);
   const int wg = warpgroup_index();
   const int tid = threadIdx.x % 128;
-  // L2_WARM (launched with PDL): B's first k block of this CTA's first tile into L2 before pdl_wait, as in
-  // gemm_fp8.cu.
+  // L2_WARM (launched with PDL): B's (TRANS_OUT: A's, the weights) first k block of this CTA's first tile into L2
+  // before pdl_wait, as in gemm_fp8.cu.
   const auto warm = [&] {
     if constexpr (L2_WARM) {
       if (!sched.more(sched.first)) return;

@@ -31,6 +31,8 @@ def test_config_fits_and_matches_the_kernel_layout(shape, out_bytes, split_k):
     cfg = g.pick_config(m, n, k, out_bytes, H100, split_k)
     if cfg.swap_ab:  # D^T = B A^T: BM runs over N, BN over M (M in steps of 8)
         assert cfg.splits == 1 and out_bytes == 2 and cfg.bn % 8 == 0 and cfg.bn >= -(-m // 8) * 8 / -(-m // cfg.bn)
+        assert cfg.bm in (128, 192, 256) and cfg.bn <= (112 if cfg.bm == 256 else 192 if cfg.bm == 192 else 256)
+        assert cfg.mcast == (sm90.MCAST_SHARE_A if -(-m // cfg.bn) % 2 == 0 else sm90.MCAST_NONE)
         assert cfg.smem == g.smem_bytes(cfg.bm, cfg.bn, cfg.stages, 2) <= H100.smem_per_block_optin
         return
     # 64-row tiles: the split search's (M <= split_bm64_max_m), clusters of four (quad_split), or one wave of
@@ -113,7 +115,9 @@ def test_config_choices():
 def test_one_wave_of_unsplit_tiles_beats_a_close_split():
     # Measured on an H200 (2026-11-28): one wave of unsplit 64-row tiles ran 0.55-1.0x the time of the split
     # picks they replace on 46 of 50 changed shapes (160x2560x1024 9.2 -> 5.0 us, 384x4096x4096 31.2 -> 22.6)
-    unswapped = g.GemmTuning(swap_ab=False)  # (384x4096x4096 swaps since: 128 x 96 pairs over N, 96 columns over M)
+    # (384x4096x4096 swaps since, on a 0.75% margin of the estimates: 128-row tiles over N, 96 columns over M,
+    # in pairs along M; 384x4096x8192 / 14336 ran that at 0.984 / 0.997x the unswapped wave's time, H200)
+    unswapped = g.GemmTuning(swap_ab=False)
     for p in (H100, H200):
         for (m, n, k), bn in (((1024, 1024, 4096), 128), ((384, 4096, 4096), 192), ((160, 2560, 1024), 64)):
             cfg = g.pick_config(m, n, k, 2, p, tuning=unswapped)
@@ -174,8 +178,8 @@ def test_a_wave_short_of_full_grid_counts_where_no_width_fills_it():
 def test_split_pick_drops_candidates_that_load_many_more_rows():
     """choose_split keeps the close candidates loading at most split_rows_share x the fewest operand rows: N = 128 in
     one column of 128 (the pair shares B: 2 x (64 + 64) rows a k block) rather than two of 96 (4 x (64 + 48)). H200,
-    2026-11-29, same rounds with cuBLAS: 17 changed cases 0.826-1.003x the time (geomean 0.942), 128x128x65536
-    0.935, 256x128x65536 0.826."""
+    2026-11-29, same rounds with cuBLAS, picks on the board's own properties: 17 changed cases 0.826-1.003x the
+    time (geomean 0.942), 128x128x65536 0.935, 256x128x65536 0.826."""
     for p in (H100, H200):
         cfg = g.pick_config(128, 128, 65536, 2, p)
         assert (cfg.bm, cfg.bn, cfg.mcast) == (64, 128, g.MCAST_SHARE_B) and cfg.splits > 16
@@ -529,7 +533,8 @@ def test_consumers_past_m_only_free_the_stages(rng, shape, tile):
 @pytest.mark.parametrize("shape,tile", [((300, 1000, 1040), (128, 152)), ((257, 520, 200), (64, 136)),
                                         ((77, 200, 3000), (192, 80)), ((700, 4160, 520), (128, 240)),
                                         ((129, 264, 72), (64, 8)), ((1000, 136, 64), (128, 256)),
-                                        ((257, 1000, 1040), (256, 88)), ((300, 600, 200), (256, 112))],
+                                        ((257, 1000, 1040), (256, 88)), ((300, 600, 200), (256, 112)),
+                                        ((288, 1000, 1040), (256, 72)), ((144, 600, 520), (192, 72))],
                          ids=lambda s: "x".join(map(str, s)))
 def test_swapped_operands(rng, shape, tile):
     """D^T = B A^T written through the transposed epilogue (TRANS_OUT): M (odd or not) on the tile's columns, N
@@ -537,6 +542,7 @@ def test_swapped_operands(rng, shape, tile):
     m, n, k = shape
     props = driver.device_properties(0)
     cfg = g.make_config(n, m, k, 2, props, *tile, 1, swap_ab=True)
+    assert cfg.mcast == (g.MCAST_SHARE_A if g.swap_pairs(m, *tile) else g.MCAST_NONE)  # (pairs: 128/192/256 x even)
     tuning = g.GemmTuning(force_config=cfg)
     for dtype, c_dtype in (("bf16", None), ("fp16", "fp32"), ("bf16", "bf16")):
         a, b = _rand(rng, (m, k), dtype), _rand(rng, (n, k), dtype)

@@ -150,7 +150,7 @@ class GemmConfig:
     mcast: int = MCAST_NONE  # clusters of tiles along M sharing B (2 or 4 CTAs) or along N sharing A (sm90.MCAST_*)
     group_m: int = 1         # cluster-tile rows per group of the tile order
     stream_b: bool = False   # B loaded with an evict-first L2 policy (sm90.streams_b)
-    warm_l2: bool = False    # B's first k block into L2 before pdl_wait (L2_WARM)
+    warm_l2: bool = False    # B's (swapped: A's) first k block into L2 before pdl_wait (L2_WARM)
     swap_ab: bool = False    # D^T = B A^T (TRANS_OUT): the tile's BM rows run over N, its BN columns over M
 
     @property
@@ -348,7 +348,7 @@ def quad_split(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, props:
 def operand_rows(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, props: DeviceProperties,
                  tuning: GemmTuning = TUNING) -> float:
     """Operand rows the grid's tiles load per k block: each tile its BM rows of A and BN of B, a pair's shared
-    tile once (the same for every split count)."""
+    tile once. BN as is also with B as [K, N] (whose loads come in 64-column panels): measured so, docs/tuning.md."""
     share_a, share_b = sm90.sharers(sm90.pick_multicast(m, n, bm, bn, splits, b_kn, props, tuning))
     return -(-m // bm) * -(-n // bn) * (bm / share_a + bn / share_b)
 
@@ -441,9 +441,10 @@ def lone_wave_share(tiles: int, props: DeviceProperties, tuning: GemmTuning = TU
 
 def busiest_cta_us(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: DeviceProperties,
                    tuning: GemmTuning = TUNING) -> float:
-    """Estimated time of an unswapped config, priced like `swap_candidate`'s: the busiest CTA's tiles
-    (`ragged_load` for 128 and 192 rows, else waves of tiles) at `busy_kblock_us`; split configs
-    `split_time_us`."""
+    """Estimated time of an unswapped config for the swap decision. Unsplit ones priced like `swap_candidate`'s: the
+    busiest CTA's tiles (`ragged_load` for 128 and 192 rows, else waves of tiles) at `busy_kblock_us`. Split ones
+    keep `split_time_us` (the `kb_us` table, below `busy_kblock_us` for wide tiles: a swap must win by more there;
+    the fit had few such shapes)."""
     if splits > 1:
         return split_time_us(m, n, k, bm, bn, splits, props, tuning)
     tiles = -(-m // bm) * -(-n // bn)

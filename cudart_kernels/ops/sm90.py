@@ -127,7 +127,7 @@ def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, pr
     as [K, N] is never shared (it comes in panels), nor, with `share_b` False, at all. `tuning.force_mcast`
     pairs on its side wherever that is legal."""
     legal_b = share_b and not b_kn and bn % 16 == 0
-    if tuning.force_mcast is not None:  # (192-row halves of 96 rows are legal too; the heuristic keeps 128s)
+    if tuning.force_mcast is not None:  # (192-row halves of 96 rows are legal too)
         f = tuning.force_mcast
         return f if (f == MCAST_SHARE_B and legal_b) or (f == MCAST_SHARE_A and bm >= 128) else MCAST_NONE
     if not tuning.multicast:
