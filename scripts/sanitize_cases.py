@@ -73,23 +73,19 @@ ref_w = a_w.numpy().astype(np.float64) @ b_w.numpy().astype(np.float64).T
 assert np.abs(d.numpy() - ref_w).max() < 1e-2 * np.abs(ref_w).max()
 cfg_w = g.pick_config(290, 2600, 2056, 4, device_properties(0))
 assert (cfg_w.bm, cfg_w.splits) == (64, 1), cfg_w
-# Swapped operands (D^T = B A^T through the transposed epilogue): odd M on the tile's columns, tails in N and K,
-# C added
-cfg_s = g.make_config(1000, 301, 2056, 2, device_properties(0), 128, 152, 1, swap_ab=True)
-c_s = DeviceArray.from_numpy(rng.standard_normal((301, 1000)).astype(ck.bfloat16.numpy))
-a_s = DeviceArray.from_numpy(rng.standard_normal((301, 2056)).astype(ck.bfloat16.numpy))
+# Swapped operands (D^T = B A^T through the transposed epilogue): odd M on the tile's columns, tails in N and K;
+# 128 x 152 in pairs with C added, 256-row tiles (four consumers) alone (three column tiles over M = 257) and in pairs
+# sharing the weights (four column tiles over M = 288)
 b_s = DeviceArray.from_numpy(b_w.numpy()[:1000].copy())
-d = ck.gemm(a_s, b_s, c=c_s, tuning=g.GemmTuning(force_config=cfg_s))
-ref_s = a_s.numpy().astype(np.float64) @ b_s.numpy().astype(np.float64).T + c_s.numpy().astype(np.float64)
-assert np.abs(d.numpy().astype(np.float64) - ref_s).max() < 2e-2 * np.abs(ref_s).max()
-# ... and 256-row swapped tiles (four consumers), alone (three column tiles over M = 257) and in pairs sharing the
-# weights (four column tiles over M = 288)
-for m_s, bn_s in ((257, 88), (288, 72)):
-    cfg_s = g.make_config(1000, m_s, 2056, 2, device_properties(0), 256, bn_s, 1, swap_ab=True)
-    assert cfg_s.mcast == (g.MCAST_SHARE_A if m_s == 288 else g.MCAST_NONE), cfg_s
+for m_s, bm_s, bn_s, with_c in ((301, 128, 152, True), (257, 256, 88, False), (288, 256, 72, False)):
+    cfg_s = g.make_config(1000, m_s, 2056, 2, device_properties(0), bm_s, bn_s, 1, swap_ab=True)
+    assert cfg_s.mcast == (g.MCAST_SHARE_A if -(-m_s // bn_s) % 2 == 0 else g.MCAST_NONE), cfg_s
     a_s = DeviceArray.from_numpy(rng.standard_normal((m_s, 2056)).astype(ck.bfloat16.numpy))
-    d = ck.gemm(a_s, b_s, tuning=g.GemmTuning(force_config=cfg_s))
+    c_s = DeviceArray.from_numpy(rng.standard_normal((m_s, 1000)).astype(ck.bfloat16.numpy)) if with_c else None
+    d = ck.gemm(a_s, b_s, c=c_s, tuning=g.GemmTuning(force_config=cfg_s))
     ref_s = a_s.numpy().astype(np.float64) @ b_s.numpy().astype(np.float64).T
+    if with_c:
+        ref_s += c_s.numpy().astype(np.float64)
     assert np.abs(d.numpy().astype(np.float64) - ref_s).max() < 2e-2 * np.abs(ref_s).max(), m_s
 print("gemm sanitize cases ran")
 

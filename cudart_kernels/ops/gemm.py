@@ -439,6 +439,13 @@ def lone_wave_share(tiles: int, props: DeviceProperties, tuning: GemmTuning = TU
     return 1.0 - tuning.lone_wave_gain + tuning.lone_wave_gain * tiles / props.sm_count
 
 
+def busy_time_us(load: float, tiles: int, k: int, bm: int, bn: int, mcast: int, props: DeviceProperties,
+                 tuning: GemmTuning = TUNING) -> float:
+    """`load` tiles' worth of k blocks for the busiest CTA of a grid of `tiles` BM x BN tiles, at `busy_kblock_us`
+    and `lone_wave_share`: the one price of both sides of the swap decision."""
+    return load * -(-k // BK) * busy_kblock_us(bm, bn, mcast, tuning) * lone_wave_share(tiles, props, tuning)
+
+
 def busiest_cta_us(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: DeviceProperties,
                    tuning: GemmTuning = TUNING) -> float:
     """Estimated time of an unswapped config for the swap decision. Unsplit ones priced like `swap_candidate`'s: the
@@ -450,7 +457,7 @@ def busiest_cta_us(m: int, n: int, k: int, bm: int, bn: int, splits: int, props:
     tiles = -(-m // bm) * -(-n // bn)
     load = ragged_load(m, n, bm, bn, props, tuning) if bm in (128, 192) else -(-tiles // props.sm_count)
     mcast = sm90.pick_multicast(m, n, bm, bn, 1, False, props, tuning)
-    return load * -(-k // BK) * busy_kblock_us(bm, bn, mcast, tuning) * lone_wave_share(tiles, props, tuning)
+    return busy_time_us(load, tiles, k, bm, bn, mcast, props, tuning)
 
 
 def swap_pairs(m: int, bm: int, bn: int, tuning: GemmTuning = TUNING) -> bool:
@@ -472,8 +479,7 @@ def swap_candidate(m: int, n: int, k: int, props: DeviceProperties, tuning: Gemm
                     and max_stages(bm, bn, 2, props.smem_per_block_optin) >= 2):
                 tiles = -(-n // bm) * -(-m // bn)
                 mcast = MCAST_SHARE_A if swap_pairs(m, bm, bn, t) else MCAST_NONE
-                per_kb = busy_kblock_us(bm, bn, mcast, t) * lone_wave_share(tiles, props, t)
-                cands.append((-(-tiles // props.sm_count) * -(-k // BK) * per_kb, bm, bn))
+                cands.append((busy_time_us(-(-tiles // props.sm_count), tiles, k, bm, bn, mcast, props, t), bm, bn))
     return min(cands, key=lambda c: (round(c[0], 3), -c[2], c[1])) if cands else None
 
 
