@@ -27,9 +27,11 @@
 // Work units are (tile, split) pairs, split fastest: a unit only ever waits on a unit with a smaller index, which
 // a resident CTA of this persistent grid has already started, so the turnstile cannot deadlock.
 //
-// TRANS_OUT = 1 (EPI_STORE, 16-bit D) writes the tile transposed through a map over D^T: the host runs D = A B^T as
+// TRANS_OUT = 1 (16-bit D) writes the tile transposed through a map over D^T: the host runs D = A B^T as
 // D^T = B A^T (A and B swapped, M and N too), so that D's rows are the tile's columns, which come in steps of 8
-// (wgmma's N) instead of 64: M = 300 takes two 152-column tiles (304 rows) where 128-row tiles compute 384.
+// (wgmma's N) instead of 64: M = 300 takes two 152-column tiles (304 rows) where 128-row tiles compute 384. With
+// EPI_SPLIT the workspace is in D's orientation too (partials reduce-added transposed), so the finish is the same
+// row-major pass over D with the slice's rows and columns exchanged.
 //
 // B_KN = 1 reads B as [K, N] (N contiguous): it is loaded as ceil(BN / 64) panels of 64 N x 64 K and fed to
 // wgmma as an MN-major operand (transposed B).
@@ -116,7 +118,7 @@ static_assert(BM == 64 || BM == 128 || (BM == 192 && BN <= 192) || (BM == 256 &&
 static_assert(BM != 192 || EPI != EPI_SPLIT || BN <= 160, "192-row split-K tiles: BN <= 160 (the finish spills)");
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS * launch_regs(THREADS),
               "setmaxnreg beyond the CTA's register allocation");
-static_assert(!TRANS_OUT || (EPI == EPI_STORE && OUT_BYTES == 2), "transposed tiles: stored, 16-bit D");
+static_assert(!TRANS_OUT || (EPI != EPI_ACCUMULATE && OUT_BYTES == 2), "transposed tiles: stored or split, 16-bit D");
 
 // Shared memory (from a 1024-byte aligned base):
 // A stages | B stages | output tile | full barriers | empty barriers | one flag per consumer.
@@ -196,7 +198,8 @@ __device__ __forceinline__ void mma_k_blocks(float (&acc)[ACC], const Ring& ring
 // swizzle; [K, N] B: boxes {64, BK}. tm_a_edge / tm_b_edge: the same tensors with boxes of M (N) modulo those rows,
 // for the box across the last row (tma_load_rows; unused for [K, N] B). tm_out: EPI_STORE the D map (out dtype),
 // EPI_ACCUMULATE the fp32 D map, EPI_SPLIT the fp32 workspace map; all with box {CH, 64} and swizzle
-// CHUNK_ROW_BYTES (0 below 32); TRANS_OUT: the D^T map, box {64, CH}, 128-byte swizzle. d / ld_d: D for the split-K
+// CHUNK_ROW_BYTES (0 below 32); TRANS_OUT: the D^T map, box {64, CH}, or with EPI_SPLIT the workspace's (laid out
+// as D), box {32, CH}; 128-byte swizzle. d / ld_d: D for the split-K
 // finalisation; w / ld_w: the workspace; c / ld_c: C (or null; TRANS_OUT: C^T); counters: one int per 64-row
 // slice of every tile, zero between launches; group_m: cluster-tile rows per group of the tile order.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
@@ -283,8 +286,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
       split_k_epilogue<DETERMINISTIC, EPI == EPI_SPLIT>(
           counters + sched.tile_index(t) * CONSUMERS + c, flag, t.split, splits, sched.one_wave(), tid, 1 + c, store,
           [&](int r_lo, int r_hi) {
-            split_k_finish<OUT_KIND, C_KIND, BN, FIN_LOADS>(d, ld_d, w, ld_w, c_ptr, ld_c, row0 + r_lo, r_hi - r_lo,
-                                                           t.n0, M, N, tid);
+            if constexpr (TRANS_OUT) {  // D's rows t.n0.. (the same share of BN), its columns row0..row0 + 63
+              const int lo = r_lo * BN / 64, hi = r_hi * BN / 64;
+              split_k_finish<OUT_KIND, C_KIND, 64, FIN_LOADS>(d, ld_d, w, ld_w, c_ptr, ld_c, t.n0 + lo, hi - lo, row0,
+                                                             N, M, tid);
+            } else {
+              split_k_finish<OUT_KIND, C_KIND, BN, FIN_LOADS>(d, ld_d, w, ld_w, c_ptr, ld_c, row0 + r_lo,
+                                                             r_hi - r_lo, t.n0, M, N, tid);
+            }
           });
     }
   }

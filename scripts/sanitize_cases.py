@@ -44,6 +44,7 @@ from dataclasses import replace  # noqa: E402
 
 from cudart_kernels.ops import gemm as g  # noqa: E402
 from cudart_kernels.ops import gemm_fp8 as f  # noqa: E402
+from cudart_kernels.ops import sm90  # noqa: E402
 from cudart_kernels.runtime.driver import device_properties  # noqa: E402
 from cudart_kernels.runtime.plans import PLANS  # noqa: E402
 
@@ -75,14 +76,19 @@ cfg_w = g.pick_config(290, 2600, 2056, 4, device_properties(0))
 assert (cfg_w.bm, cfg_w.splits) == (64, 1), cfg_w
 # Swapped operands (D^T = B A^T through the transposed epilogue): odd M on the tile's columns, tails in N and K;
 # 128 x 152 in pairs with C added, 256-row tiles (four consumers) alone (three column tiles over M = 257) and in pairs
-# sharing the weights (four column tiles over M = 288)
+# sharing the weights (four column tiles over M = 288); split over K beyond one wave (144 units: the last split
+# finishes) and in one wave, deterministic (the splits share the finish in K order); 128 x 96 in fours sharing the
+# activations
 b_s = DeviceArray.from_numpy(b_w.numpy()[:1000].copy())
-for m_s, bm_s, bn_s, with_c in ((301, 128, 152, True), (257, 256, 88, False), (288, 256, 72, False)):
-    cfg_s = g.make_config(1000, m_s, 2056, 2, device_properties(0), bm_s, bn_s, 1, swap_ab=True)
-    assert cfg_s.mcast == (g.MCAST_SHARE_A if -(-m_s // bn_s) % 2 == 0 else g.MCAST_NONE), cfg_s
+for m_s, bm_s, bn_s, splits_s, mcast_s, with_c in (
+        (301, 128, 152, 1, g.MCAST_SHARE_A, True), (257, 256, 88, 1, g.MCAST_NONE, False),
+        (288, 256, 72, 1, g.MCAST_SHARE_A, False), (257, 128, 88, 6, g.MCAST_NONE, True),
+        (144, 128, 72, 5, g.MCAST_SHARE_A, False), (257, 128, 96, 1, sm90.MCAST_SHARE_B4, False)):
+    cfg_s = g.make_config(1000, m_s, 2056, 2, device_properties(0), bm_s, bn_s, splits_s, swap_ab=True,
+                          mcast=mcast_s)
     a_s = DeviceArray.from_numpy(rng.standard_normal((m_s, 2056)).astype(ck.bfloat16.numpy))
     c_s = DeviceArray.from_numpy(rng.standard_normal((m_s, 1000)).astype(ck.bfloat16.numpy)) if with_c else None
-    d = ck.gemm(a_s, b_s, c=c_s, tuning=g.GemmTuning(force_config=cfg_s))
+    d = ck.gemm(a_s, b_s, c=c_s, tuning=g.GemmTuning(force_config=cfg_s), deterministic=splits_s == 5)
     ref_s = a_s.numpy().astype(np.float64) @ b_s.numpy().astype(np.float64).T
     if with_c:
         ref_s += c_s.numpy().astype(np.float64)

@@ -23,24 +23,29 @@ def fake(shape, dtype, strides=None, offset=0):
 
 @pytest.mark.parametrize("shape", g.BENCH_SHAPES["large"] + g.BENCH_SHAPES["skinny"] + [
     (1, 8, 8), (17, 24, 40), (160, 7168, 8192), (192, 512, 16384), (336, 4096, 8192), (384, 7168, 2048),
-    (300, 8192, 28672), (320, 8192, 8192)])
+    (300, 8192, 28672), (320, 8192, 8192), (257, 5120, 25600), (129, 2112, 7168)])
 @pytest.mark.parametrize("out_bytes", [2, 4])
 @pytest.mark.parametrize("split_k", [None, 1, 7])
 def test_config_fits_and_matches_the_kernel_layout(shape, out_bytes, split_k):
     m, n, k = shape
     cfg = g.pick_config(m, n, k, out_bytes, H100, split_k)
     if cfg.swap_ab:  # D^T = B A^T: BM runs over N, BN over M (M in steps of 8)
-        assert cfg.splits == 1 and out_bytes == 2 and cfg.bn % 8 == 0 and cfg.bn >= -(-m // 8) * 8 / -(-m // cfg.bn)
+        assert split_k is None and out_bytes == 2 and cfg.bn % 8 == 0 and cfg.bn >= -(-m // 8) * 8 / -(-m // cfg.bn)
         assert cfg.bm in (128, 192, 256) and cfg.bn <= (112 if cfg.bm == 256 else 192 if cfg.bm == 192 else 256)
-        assert cfg.mcast == (sm90.MCAST_SHARE_A if -(-m // cfg.bn) % 2 == 0 else sm90.MCAST_NONE)
-        assert cfg.smem == g.smem_bytes(cfg.bm, cfg.bn, cfg.stages, 2) <= H100.smem_per_block_optin
+        assert cfg.splits == 1 or (cfg.bm < 256 and -(-n // cfg.bm) * -(-m // cfg.bn) * cfg.splits <= H100.sm_count)
+        assert cfg.mcast in g.swap_multicasts(m, n, cfg.bm, cfg.bn, H100)
+        pairs = -(-m // cfg.bn) % 2 == 0
+        assert cfg.mcast != sm90.MCAST_NONE or not pairs  # pairs sharing A wherever they fit, or fours
+        epi = 4 if cfg.splits > 1 else 2
+        assert cfg.smem == g.smem_bytes(cfg.bm, cfg.bn, cfg.stages, epi) <= H100.smem_per_block_optin
         return
     # 64-row tiles: the split search's (M <= split_bm64_max_m), clusters of four (quad_split), or one wave of
     # unsplit ones (unsplit_wave)
     one_wave = cfg.splits == 1 and -(-m // 64) * -(-n // cfg.bn) <= H100.sm_count
     quad = cfg.mcast == sm90.MCAST_SHARE_B4 and g.quad_split(m, n, cfg.bm, cfg.bn, cfg.splits, False, H100)
-    assert cfg.bm == g.row_tile(m) or cfg.bm == 64 and (cfg.splits > 1 and m <= g.TUNING.split_bm64_max_m or one_wave
-                                                         or quad)
+    ragged = cfg.splits == 1 and m > 128 and m % 128 and cfg.bm in (128, 192)  # (ragged_pick)
+    assert cfg.bm == g.row_tile(m) or ragged or cfg.bm == 64 and (cfg.splits > 1 and m <= g.TUNING.split_bm64_max_m
+                                                                   or one_wave or quad)
     assert cfg.bn % 8 == 0 and 8 <= cfg.bn <= (256 if cfg.bm < 192 else 160 if cfg.splits > 1 else 192)
     assert 2 <= cfg.stages <= g.MAX_STAGES
     epi = 4 if cfg.splits > 1 else out_bytes
@@ -171,7 +176,7 @@ def test_a_wave_short_of_full_grid_counts_where_no_width_fills_it():
             cfg, old = g.pick_config(m, n, k, 2, p), g.pick_config(m, n, k, 2, p, tuning=full)
             assert (cfg.bm, cfg.bn, cfg.splits) == want and (old.bm, old.bn, old.splits) == before, (m, n, k)
             assert -(-m // cfg.bm) * -(-n // cfg.bn) < g.TUNING.full_grid * p.sm_count
-        cfg = g.pick_config(1024, 512, 4096, 2, p)
+        cfg = g.pick_config(1024, 512, 4096, 2, p, tuning=g.GemmTuning(swap_ab=False))
         assert (cfg.bm, cfg.bn, cfg.splits) == (64, 64, 1)
 
 
@@ -554,6 +559,57 @@ def test_swapped_operands(rng, shape, tile):
         _check(out.numpy(), ref if c is None else ref + c.astype(np.float64), dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,tile", [((257, 1000, 2080), (128, 88, 2, g.MCAST_NONE)),
+                                        ((300, 600, 4160), (192, 104, 3, g.MCAST_NONE)),
+                                        ((144, 1000, 2080), (128, 72, 2, g.MCAST_SHARE_A)),
+                                        ((257, 5120, 1040), (128, 88, 2, g.MCAST_NONE)),
+                                        ((77, 200, 3000), (192, 80, 4, g.MCAST_NONE)),
+                                        ((257, 1000, 2080), (128, 96, 1, sm90.MCAST_SHARE_B4)),
+                                        ((257, 2048, 8192), (128, 96, 2, sm90.MCAST_SHARE_B4)),
+                                        ((160, 1024, 1040), (256, 96, 1, sm90.MCAST_SHARE_B4))],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_swapped_split_and_fours(rng, shape, tile):
+    """Swapped operands split over K (the workspace in D's orientation, partials reduce-added transposed: one wave,
+    where the splits share the finish, and more, where the last split finishes) and in fours sharing B (the
+    activations): C added, fp16, deterministic runs bitwise equal; every element written and right."""
+    m, n, k = shape
+    bm, bn, splits, mcast = tile
+    cfg = g.make_config(n, m, k, 2, driver.device_properties(0), bm, bn, splits, swap_ab=True, mcast=mcast)
+    tuning = g.GemmTuning(force_config=cfg)
+    for dtype, c_dtype, det in (("bf16", None, False), ("fp16", "fp32", False), ("bf16", "bf16", True)):
+        a, b = _rand(rng, (m, k), dtype), _rand(rng, (n, k), dtype)
+        ref = a.astype(np.float64) @ b.astype(np.float64).T
+        c = None if c_dtype is None else _rand(rng, (m, n), c_dtype)
+        runs = []
+        for _ in range(2 if det else 1):
+            out = DeviceArray.empty((m, n), dtype).fill_bytes(0xFF)
+            ck.gemm(DeviceArray.from_numpy(a), DeviceArray.from_numpy(b), out=out, deterministic=det,
+                    c=None if c is None else DeviceArray.from_numpy(c), tuning=tuning)
+            runs.append(out.numpy())
+            _check(runs[-1], ref if c is None else ref + c.astype(np.float64), dtype)
+        if det:
+            assert np.array_equal(runs[0].view(np.uint16), runs[1].view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_swapped_fours_fall_back_where_they_do_not_fit():
+    """A pick of swapped fours with more clusters than the device holds at once runs without them (a second round
+    of fours about doubles the time): 384x4096x14336 picks 32 fours on 128 x 96 tiles."""
+    props = driver.device_properties(0)
+    cfg = g.pick_config(384, 4096, 14336, 2, props)
+    a = DeviceArray.from_numpy(_rand(np.random.default_rng(3), (384, 14336), "bf16"))
+    b = DeviceArray.from_numpy(_rand(np.random.default_rng(4), (4096, 14336), "bf16"))
+    PLANS.clear()
+    ck.gemm(a, b)
+    (plan,) = PLANS.values("gemm")
+    if cfg.swap_ab and cfg.mcast == sm90.MCAST_SHARE_B4:
+        fits = plan.launch.max_active_clusters() if plan.cfg.mcast == sm90.MCAST_SHARE_B4 else None
+        assert plan.cfg.mcast != sm90.MCAST_SHARE_B4 or fits >= 32
+    else:
+        assert plan.cfg.mcast != sm90.MCAST_SHARE_B4
+
+
 def test_swap_picks():
     """Swapped operands where M sits badly on 64-row tiles: 300 x 8192 x 28672 takes 152 columns over M (304
     rows, not 384); never for an fp32 D, C accumulated in place, B as [K, N], forced split-K, M or K out of range."""
@@ -573,6 +629,14 @@ def test_swap_picks():
                             ((144, 10240, 5120), (192, 72, g.MCAST_SHARE_A))):
             cfg = g.pick_config(*shape, 2, props)
             assert cfg.swap_ab and (cfg.bm, cfg.bn, cfg.mcast) == want, shape
+        # H200, 2026-11-29, old pick / new pick / cuBLAS in the same rounds: fours of 128 x 96 sharing the activations
+        # (cuBLAS runs 128 x 88 in fours there) 1.209 -> 1.152x cuBLAS's time; split-K over swapped tiles where one
+        # wave of unsplit ones leaves SMs idle: 129x2112x7168 1.635 -> 0.960 (192 x 72 x 5 in pairs)
+        cfg = g.pick_config(257, 5120, 25600, 2, props)
+        assert cfg.swap_ab and (cfg.bm, cfg.bn, cfg.splits, cfg.mcast) == (128, 96, 1, sm90.MCAST_SHARE_B4)
+        cfg = g.pick_config(129, 2112, 7168, 2, props)
+        assert cfg.swap_ab and cfg.splits > 1 and cfg.mcast == g.MCAST_SHARE_A
+        assert not g.pick_config(129, 2112, 7168, 2, props, tuning=g.GemmTuning(swap_quads=False)).mcast == 3
         forced = g.GemmTuning(force_config=pick)  # a forced swapped config where it cannot run: a clear error
         for kw in ({"out_bytes": 4}, {"accumulate": True}, {"b_kn": True}):
             with pytest.raises(ValueError, match="swap_ab"):
@@ -589,6 +653,13 @@ def test_busy_tile_price():
     assert g.busy_kblock_us(64, 256) == pytest.approx(t.area_kb_us * 64 * 256)  # one consumer: the area alone
     assert g.lone_wave_share(132, H200) == 1.0 and g.lone_wave_share(66, H200) == pytest.approx(0.85)
     assert g.swap_pairs(300, 128, 152) and not g.swap_pairs(300, 256, 104) and not g.swap_pairs(300, 64, 152)
+    # fours sharing B: BN in quarters of whole 8-row atoms, whole clusters, one wave; not without swap_quads
+    assert g.swap_multicasts(257, 5120, 128, 96, H200) == [g.MCAST_NONE, sm90.MCAST_SHARE_B4]
+    assert g.swap_multicasts(257, 5120, 128, 88, H200) == [g.MCAST_NONE]
+    assert g.swap_multicasts(300, 4096, 128, 160, H200) == [g.MCAST_NONE, g.MCAST_SHARE_A, sm90.MCAST_SHARE_B4]
+    assert sm90.MCAST_SHARE_B4 not in g.swap_multicasts(257, 4864, 128, 96, H200)  # 38 rows of tiles
+    assert sm90.MCAST_SHARE_B4 not in g.swap_multicasts(257, 16384, 128, 96, H200)  # 384 tiles: three waves
+    assert g.swap_multicasts(257, 5120, 128, 96, H200, g.GemmTuning(swap_quads=False)) == [g.MCAST_NONE]
 
 
 def test_ragged_m_takes_the_least_loaded_tiles():

@@ -3,7 +3,7 @@ inputs, fp32 accumulation, D bf16, fp16 or fp32; split-K through TMA reduce-add;
 fp32 D."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -59,14 +59,16 @@ class GemmTuning(sm90.Sm90Tuning):
     split_bm64_max_m: int = 128         # split-K up to this M searches 64-row tiles
     quad_clusters_share: float = 0.85   # ... and at M 193..256 in clusters of four sharing B, up to this share (quad_split)
     # Swapped operands (`swap_candidate`): D^T = B A^T, so that M runs over the tile's columns (steps of 8, not
-    # 64). For 16-bit D, B as [N, K], the heuristic's split count, M in swap_min_m..swap_max_m and K >= swap_min_k,
-    # where its best estimate is below swap_share of the pick's (both priced by `busy_kblock_us`).
+    # 64), unsplit or (where the unswapped pick is unsplit) split-K. For 16-bit D, B as [N, K], no forced split
+    # count, M in swap_min_m..swap_max_m and K >= swap_min_k, where its best estimate is below swap_share of the
+    # pick's (both priced by `busy_kblock_us`).
     swap_ab: bool = True
     swap_min_m: int = 129
     swap_max_m: int = 1024
     swap_min_k: int = 2048
     swap_min_bn: int = 64
     swap_share: float = 1.0
+    swap_quads: bool = True             # B shared by four swapped tiles where they fit (`swap_multicasts`)
     # `busy_kblock_us`: an unsplit tile's k block where every SM works costs area_kb_us per output element (the
     # tensor rate the grid sustains) or, for 128 rows and more, row_kb_us per operand row the CTA loads (a pair's
     # shared operand counts half), whichever is more; a lone partial wave scales it by (1 - lone_wave_gain) +
@@ -229,12 +231,15 @@ def split_time_us(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: 
     if m <= bm < 192:  # nothing is re-read from L2: every stage waits on DRAM (192 rows: measured without it)
         stages = max_stages(bm, bn, 4 if splits > 1 else 2, props.smem_per_block_optin)
         per_kb = max(per_kb, tuning.dram_latency_us / stages)
-    main = waves * kb_per_unit * per_kb
-    dram = (m + n) * k * 2 / (props.stream_bytes_per_s * tuning.stream_efficiency) * 1e6
-    t = max(main, dram)
+    t = max(waves * kb_per_unit * per_kb, stream_us(m, n, k, props, tuning))
     if splits > 1:
-        t += splits * m * n * 4 / tuning.partial_bytes_per_s * 1e6 + tuning.finish_us_per_32_cols * -(-bn // 32)
+        t += split_extra_us(m, n, bn, splits, tuning)
     return t
+
+
+def stream_us(m: int, n: int, k: int, props: DeviceProperties, tuning: GemmTuning = TUNING) -> float:
+    """Microseconds to stream A and B from DRAM once."""
+    return (m + n) * k * 2 / (props.stream_bytes_per_s * tuning.stream_efficiency) * 1e6
 
 
 def row_tile(m: int) -> int:
@@ -379,14 +384,15 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     where the model puts it lower (`quad_candidate`), and the pick gives way to one wave of unsplit tiles that the
     model puts within `close` of it (`unsplit_wave`). `split_k` forces the count. Stages fill the smem budget.
     Last, at M 129..1024 with a 16-bit D, B as [N, K] and no forced split, swapped operands (D^T = B A^T, the
-    config's BM over N and BN over M) take over where `swap_candidate` puts them below swap_share of the pick.
+    config's BM over N and BN over M; split-K too where the pick is unsplit) take over where `swap_candidate` puts
+    them below swap_share of the pick.
     """
     t = tuning
     if t.force_config is not None:
         cfg = t.force_config
-        if cfg.swap_ab and (b_kn or accumulate or out_bytes != 2 or cfg.splits > 1):
-            raise ValueError("a swapped-operand config (swap_ab) needs B as [N, K], a 16-bit D that is not C "
-                             "accumulated in place, and no split-K")
+        if cfg.swap_ab and (b_kn or accumulate or out_bytes != 2):
+            raise ValueError("a swapped-operand config (swap_ab) needs B as [N, K] and a 16-bit D that is not C "
+                             "accumulated in place")
         return cfg
     bm = row_tile(m)
     k_blocks = -(-k // BK)
@@ -413,20 +419,21 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
         bn = bn0
     if (split_k is None and not accumulate and not b_kn and out_bytes == 2 and t.swap_ab
             and t.swap_min_m <= m <= t.swap_max_m and k >= t.swap_min_k):
-        swap = swap_candidate(m, n, k, props, t)
+        swap = swap_candidate(m, n, k, props, t, split=splits == 1)
         if swap is not None and swap[0] < t.swap_share * busiest_cta_us(m, n, k, bm, bn, splits, props, t):
-            return make_config(n, m, k, out_bytes, props, swap[1], swap[2], 1, tuning=t, swap_ab=True)
+            return make_config(n, m, k, out_bytes, props, *swap[1:4], tuning=t, swap_ab=True, mcast=swap[4])
     return make_config(m, n, k, out_bytes, props, bm, bn, splits, accumulate, b_kn, t)
 
 
 def busy_kblock_us(bm: int, bn: int, mcast: int = MCAST_NONE, tuning: GemmTuning = TUNING) -> float:
     """Microseconds per k block of an unsplit BM x BN tile where every SM works: area_kb_us per output element or,
-    from 128 rows, row_kb_us per row of A and B the CTA loads (half of a pair's shared one), whichever is more
-    (narrow tiles wait on their loads). Fitted on 121 shapes at M 129..1024 (H200, docs/tuning.md)."""
+    from 128 rows, row_kb_us per row of A and B the CTA loads (a cluster's shared one over its sharers), whichever
+    is more (narrow tiles wait on their loads); 64 rows at least `kblock_us`. Fitted on 121 shapes at M 129..1024
+    (H200, docs/tuning.md)."""
     t = tuning
     area = t.area_kb_us * bm * bn
-    if bm < 128:
-        return area
+    if bm < 128:  # one consumer: narrow tiles keep the split model's per-k-block floor
+        return max(area, kblock_us(64, bn, t))
     share_a, share_b = sm90.sharers(mcast)
     return max(area, t.row_kb_us * (bm / share_a + bn / share_b))
 
@@ -466,21 +473,60 @@ def swap_pairs(m: int, bm: int, bn: int, tuning: GemmTuning = TUNING) -> bool:
     return tuning.multicast and bm >= 128 and -(-m // bn) % 2 == 0
 
 
-def swap_candidate(m: int, n: int, k: int, props: DeviceProperties, tuning: GemmTuning = TUNING) -> tuple | None:
-    """(estimate us, BM, BN) of the cheapest unsplit config of D^T = B A^T: BM (128, 192 or 256) over N, BN over
-    M the narrowest multiple of 8 for each count of column tiles, down to swap_min_bn; waves of tiles at
-    `busy_kblock_us` (a tile's columns past M cost as much as the others). None where none fits."""
+def swap_multicasts(m: int, n: int, bm: int, bn: int, props: DeviceProperties, tuning: GemmTuning = TUNING) -> list:
+    """The cluster shapes a swapped BM x BN tile may take over D = [M, N]: alone; pairs along D's rows sharing A
+    (`swap_pairs`); with swap_quads, fours along N sharing B (the activations, a quarter of whole 8-row swizzle
+    atoms each), no spare tiles, in one wave (the plan checks it against the clusters that fit: `_plan`). Pairs
+    sharing B ran no faster than these at the same price (H200, 2026-11-29: 0.94-1.05x the time of the others)."""
     t = tuning
+    out = [MCAST_NONE]
+    if not t.multicast:
+        return out
+    rows, cols = -(-n // bm), -(-m // bn)
+    if swap_pairs(m, bm, bn, t):
+        out.append(MCAST_SHARE_A)
+    if t.swap_quads and bn % 32 == 0 and rows % 4 == 0 and rows * cols <= props.sm_count:
+        out.append(sm90.MCAST_SHARE_B4)
+    return out
+
+
+def swap_candidate(m: int, n: int, k: int, props: DeviceProperties, tuning: GemmTuning = TUNING,
+                   split: bool = True) -> tuple | None:
+    """(estimate us, BM, BN, splits, mcast) of the cheapest config of D^T = B A^T: BM (128, 192 or 256) over N,
+    BN over M the narrowest multiple of 8 (16, 32: for B shared in pairs, fours) for each count of column tiles,
+    down to swap_min_bn; every cluster shape of `swap_multicasts`; unsplit (waves of tiles) or, with `split`,
+    split-K in one wave (128 and 192 rows). Priced by `busy_time_us` (a tile's columns past M cost as much as the
+    others); a split's main loop at least `stream_us`, plus its partials and finish (`split_extra_us`) and
+    split_fixed_us. None where none fits."""
+    t = tuning
+    k_blocks = -(-k // BK)
+    budget = props.smem_per_block_optin
+    dram = stream_us(m, n, k, props, t)
     cands = []
     for bm in (128, 192, 256):
-        widths = {-(-m // (8 * c)) * 8 for c in range(1, -(-m // t.swap_min_bn) + 1)}
-        for bn in sorted(widths):
-            if (t.swap_min_bn <= bn <= 256 and _bn_fits(bm, bn, 1, t)
-                    and max_stages(bm, bn, 2, props.smem_per_block_optin) >= 2):
-                tiles = -(-n // bm) * -(-m // bn)
-                mcast = MCAST_SHARE_A if swap_pairs(m, bm, bn, t) else MCAST_NONE
-                cands.append((busy_time_us(-(-tiles // props.sm_count), tiles, k, bm, bn, mcast, props, t), bm, bn))
-    return min(cands, key=lambda c: (round(c[0], 3), -c[2], c[1])) if cands else None
+        widths = {-(-m // (q * c)) * q for q in (8, 16, 32) for c in range(1, -(-m // t.swap_min_bn) + 1)}
+        for bn in sorted(w for w in widths if t.swap_min_bn <= w <= 256):
+            tiles = -(-n // bm) * -(-m // bn)
+            for mcast in swap_multicasts(m, n, bm, bn, props, t):
+                if _bn_fits(bm, bn, 1, t) and max_stages(bm, bn, 2, budget) >= 2:
+                    est = busy_time_us(-(-tiles // props.sm_count), tiles, k, bm, bn, mcast, props, t)
+                    cands.append((est, bm, bn, 1, mcast))
+                if not (split and _bn_fits(bm, bn, 2, t) and max_stages(bm, bn, 4, budget) >= t.min_split_stages):
+                    continue
+                for sp in range(2, min(t.max_splits, k_blocks // t.min_kblocks_per_split,
+                                       props.sm_count // tiles) + 1):
+                    est = max(busy_time_us(1, tiles * sp, -(-k_blocks // sp) * BK, bm, bn, mcast, props, t), dram)
+                    cands.append((est + split_extra_us(m, n, bn, sp, t) + t.split_fixed_us, bm, bn, sp, mcast))
+    return min(cands, key=lambda c: (round(c[0], 3), c[3], -c[2], c[1], _SWAP_TIE[c[4]])) if cands else None
+
+
+_SWAP_TIE = {MCAST_SHARE_A: 0, MCAST_NONE: 1, sm90.MCAST_SHARE_B4: 2}  # at equal price: A2 ran fastest
+
+
+def split_extra_us(m: int, n: int, bn: int, splits: int, tuning: GemmTuning = TUNING) -> float:
+    """What split-K adds to a config's main loop: its fp32 partials reduce-added in L2 and the finish of a 64 x BN
+    slice."""
+    return splits * m * n * 4 / tuning.partial_bytes_per_s * 1e6 + tuning.finish_us_per_32_cols * -(-bn // 32)
 
 
 def unsplit_fills(m: int, n: int, bm: int, bn: int, props: DeviceProperties, tuning: GemmTuning = TUNING) -> bool:
@@ -513,17 +559,18 @@ def unsplit_wave(m: int, n: int, k: int, b_kn: bool, props: DeviceProperties,
 
 def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, bm: int, bn: int, splits: int,
                 accumulate: bool = False, b_kn: bool = False, tuning: GemmTuning = TUNING,
-                swap_ab: bool = False) -> GemmConfig:
-    """The full config of a BM x BN tile with `splits` K slices: stages fill the budget, pairs, tile order. M, N:
-    the kernel's (`swap_ab`: D's N and M)."""
+                swap_ab: bool = False, mcast: int | None = None) -> GemmConfig:
+    """The full config of a BM x BN tile with `splits` K slices: stages fill the budget, pairs (or `mcast`), tile
+    order. M, N: the kernel's (`swap_ab`: D's N and M)."""
     epi = 4 if (splits > 1 or accumulate) else out_bytes
     stages = max_stages(bm, bn, epi, props.smem_per_block_optin, b_kn)
-    if swap_ab and tuning.force_mcast is None:
-        mcast = MCAST_SHARE_A if swap_pairs(n, bm, bn, tuning) else MCAST_NONE
-    elif quad_split(m, n, bm, bn, splits, b_kn, props, tuning):
-        mcast = sm90.MCAST_SHARE_B4
-    else:
-        mcast = sm90.pick_multicast(m, n, bm, bn, splits, b_kn, props, tuning)
+    if mcast is None:
+        if swap_ab and tuning.force_mcast is None:
+            mcast = MCAST_SHARE_A if swap_pairs(n, bm, bn, tuning) else MCAST_NONE
+        elif quad_split(m, n, bm, bn, splits, b_kn, props, tuning):
+            mcast = sm90.MCAST_SHARE_B4
+        else:
+            mcast = sm90.pick_multicast(m, n, bm, bn, splits, b_kn, props, tuning)
     return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn), mcast,
                       sm90.group_rows(m, n, bm, bn, mcast, props), sm90.streams_b(m, k, 2, tuning) and not b_kn,
                       tuning.pdl and tuning.warm_l2, swap_ab)
@@ -572,8 +619,9 @@ def variants():
 
     # 192 rows: 192-row tiles split, unsplit and paired; a wave of 64-row tiles in three rows
     rows_192 = [(192, 512, 16384), (192, 14336, 2048), (384, 7168, 8192), (192, 7168, 2048)]
-    # D^T = B A^T: 128, 192 and 256 rows, alone and in pairs
-    swapped = [(300, 8192, 28672), (129, 28672, 4096), (300, 10240, 8192), (144, 10240, 5120), (700, 36864, 7168)]
+    # D^T = B A^T: 128, 192 and 256 rows, alone, in pairs sharing A and in fours sharing B; split-K
+    swapped = [(300, 8192, 28672), (129, 28672, 4096), (300, 10240, 8192), (144, 10240, 5120), (700, 36864, 7168),
+               (257, 5120, 25600), (129, 2112, 7168), (672, 1024, 21504)]
     ragged = [(777, 1000, 4096), (777, 600, 8192)]  # M and N not multiples of the tile: edge maps (unsplit, split)
     decode = [(16, 1280, 4096)]   # the decode kernel (no benchmark shape picks it)
     for shapes in list(BENCH_SHAPES.values()) + [rows_192, ragged, decode, swapped]:
@@ -687,6 +735,10 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
                           cluster=(cfg.cluster, 1, 1) if cfg.mcast else None, pdl=tuning.pdl)
     # the kernel's A and B, M and N (swap_ab: D^T = B A^T)
     ka, kb_, km, kn = (bv, av, n, m) if cfg.swap_ab else (av, bv, m, n)
+    if cfg.swap_ab and cfg.mcast == sm90.MCAST_SHARE_B4 and tuning.swap_quads and tuning.force_config is None:
+        cl_m, cl_n = sm90.cluster_tiles(km, kn, cfg.bm, cfg.bn, cfg.mcast)
+        if cl_m * cl_n * cfg.splits > launch.max_active_clusters():  # a second round of fours: about 2x the time
+            return _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, replace(tuning, swap_quads=False))
     tiles = -(-km // cfg.bm) * -(-kn // cfg.bn)
     grid = sm90.persistent_grid(launch, km, kn, cfg.bm, cfg.bn, cfg.mcast, cfg.splits, cfg.smem, props)
     it = av.dtype.itemsize
@@ -705,7 +757,9 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
     epi_bytes = 4 if epi != "EPI_STORE" else dv.dtype.itemsize
     box_out = (epilogue_chunk(cfg.bn, epi_bytes), 64)
     swz = epilogue_swizzle(cfg.bn, epi_bytes)
-    if epi == "EPI_SPLIT":
+    if epi == "EPI_SPLIT" and cfg.swap_ab:  # the workspace laid out as D, reduce-added transposed in 32-row halves
+        map_out = MapLayout(dt.float32, (n, m), (ld_w * 4,), (32, box_out[0]), 128)
+    elif epi == "EPI_SPLIT":
         map_out = MapLayout(dt.float32, (n, m), (ld_w * 4,), box_out, swz)
     elif cfg.swap_ab:  # D^T tiles: 64 of D's columns (128 bytes) by a chunk of its rows
         map_out = MapLayout(dv.dtype, (n, m), (dv.strides[0] * dv.dtype.itemsize,), box_out[::-1], 128)

@@ -108,12 +108,34 @@ __device__ __forceinline__ void f32_chunk(const float* acc, int j, u8* buf, int 
   }
 }
 
-// Chunk j as KIND: 16-bit kinds through stmatrix (TRANS: transposed), fp32 as pairs.
+// As f32_chunk transposed, for a fp32 map over D^T with box {32, CH} and 128-byte swizzle: two halves of CH
+// lines (rows 0..31 of the warpgroup, then 32..63), line c holding column j*CH + c. One float per store: a
+// thread's floats lie on different lines or granules (no two lanes of a warp hit one bank).
+template <int CH>
+__device__ __forceinline__ void f32_chunk_trans(const float* acc, int j, u8* buf, int warp, int lane) {
+  u8* half = buf + (warp / 2) * CH * 128;
+#pragma unroll
+  for (int g = 0; g < CH / 8; ++g) {
+    const int i = j * (CH / 8) + g;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int line = g * 8 + (lane % 4) * 2 + e;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int pos = (warp % 2) * 16 + lane / 4 + 8 * h;  // the row within the half
+        st_shared_f32(half + swizzled_offset<128>(line, pos / 4) + (pos % 4) * 4, acc[4 * i + 2 * h + e]);
+      }
+    }
+  }
+}
+
+// Chunk j as KIND: 16-bit kinds through stmatrix, fp32 as pairs (TRANS: transposed, fp32 one by one).
 template <int KIND, int CH, bool TRANS = false>
 __device__ __forceinline__ void chunk_to_smem(const float* acc, int j, u8* buf, int warp, int lane) {
-  static_assert(!TRANS || KIND != KIND_FP32, "transposed chunks: 16-bit kinds");
   const auto pack = [](float a, float b) { return pack_f32x2<KIND>(a, b); };
-  if constexpr (KIND == KIND_FP32) {
+  if constexpr (KIND == KIND_FP32 && TRANS) {
+    f32_chunk_trans<CH>(acc, j, buf, warp, lane);
+  } else if constexpr (KIND == KIND_FP32) {
     f32_chunk<CH>(acc, j, buf, warp, lane);
   } else if constexpr (TRANS) {
     stmatrix_chunk_trans<CH>(acc, j, buf, warp, lane, pack);
@@ -127,7 +149,8 @@ __device__ __forceinline__ void chunk_to_smem(const float* acc, int j, u8* buf, 
 // `chunk_bytes` at `bufs` (`seq` counts the chunks the warpgroup ever issued and picks the buffer). `write(j, buf)`
 // fills chunk j; thread 0 then stores it with TMA at (col0 + j * CH, row0), or adds it (REDUCE). Before a buffer is
 // rewritten the TMA operation that last read it (two chunks back) must be done reading. `bar` is the warpgroup's
-// named barrier. TRANS: the map is over D^T (chunks from stmatrix_chunk_trans), stored at (row0, col0 + j * CH).
+// named barrier. TRANS: the map is over D^T (chunks from chunk_to_smem's TRANS), stored at (row0, col0 + j * CH);
+// fp32 ones (REDUCE) in two halves of 32 rows.
 template <int CHUNKS, int CH, bool REDUCE, typename Write, bool TRANS = false>
 __device__ __forceinline__ void tma_store_chunks(const CUtensorMap_st* map, u8* bufs, int chunk_bytes, u32& seq,
                                                  int col0, int row0, int tid, int bar, Write write) {
@@ -140,7 +163,10 @@ __device__ __forceinline__ void tma_store_chunks(const CUtensorMap_st* map, u8* 
     fence_proxy_async_smem();
     named_barrier(bar, 128);
     if (tid == 0) {
-      if constexpr (REDUCE) {
+      if constexpr (REDUCE && TRANS) {
+        tma_reduce_add_2d(map, buf, row0, col0 + j * CH);
+        tma_reduce_add_2d(map, buf + chunk_bytes / 2, row0 + 32, col0 + j * CH);
+      } else if constexpr (REDUCE) {
         tma_reduce_add_2d(map, buf, col0 + j * CH, row0);
       } else if constexpr (TRANS) {
         tma_store_2d(map, buf, row0, col0 + j * CH);

@@ -410,6 +410,10 @@ __device__ __forceinline__ float4 ld_shared_f32x4(u32 addr) {
   return v;
 }
 
+__device__ __forceinline__ void st_shared_f32(void* p, float x) {
+  asm volatile("st.shared.f32 [%0], %1;" :: "r"(smem_u32(p)), "f"(x) : "memory");
+}
+
 __device__ __forceinline__ void st_shared_f32x2(void* p, float x, float y) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" :: "r"(smem_u32(p)), "f"(x), "f"(y) : "memory");
 }
