@@ -541,11 +541,13 @@ def unsplit_fills(m: int, n: int, bm: int, bn: int, props: DeviceProperties, tun
 def unsplit_wave(m: int, n: int, k: int, b_kn: bool, props: DeviceProperties,
                  tuning: GemmTuning = TUNING) -> tuple | None:
     """(estimate us, BM, BN, 1) of the cheapest single wave of unsplit tiles that busies `full_grid` of the SMs, or
-    where no width does, `wave_fill` of them: row_tile(M) rows, or 64. None when no width gives such a wave. The
-    pick (split or not) gives way to it within `close` of its estimate: it busies more SMs than an unsplit pick,
-    and a split's epilogue costs more than the model has (docs/tuning.md)."""
+    where no width does, `wave_fill` of them: row_tile(M) rows, or 64 (with B as [K, N] only above
+    split_bm64_max_m: its 64-row tiles cannot share B, and at M 65..128 ran up to 1.45x the split pick's time).
+    None when no width gives such a wave. The pick (split or not) gives way to it within `close` of its estimate:
+    it busies more SMs than an unsplit pick, and a split's epilogue costs more than the model has
+    (docs/tuning.md)."""
     waves = []
-    for bm in {row_tile(m), 64}:
+    for bm in {row_tile(m)} | ({64} if m > tuning.split_bm64_max_m or not b_kn else set()):
         for bn in _bn_candidates(n):
             tiles = -(-m // bm) * -(-n // bn)
             if (tuning.wave_fill * props.sm_count <= tiles <= props.sm_count and _bn_fits(bm, bn, 1, tuning)
