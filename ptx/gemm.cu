@@ -34,7 +34,8 @@
 // row-major pass over D with the slice's rows and columns exchanged.
 //
 // B_KN = 1 reads B as [K, N] (N contiguous): it is loaded as ceil(BN / 64) panels of 64 N x 64 K and fed to
-// wgmma as an MN-major operand (transposed B).
+// wgmma as an MN-major operand (transposed B). A pair sharing B (MCAST 1) splits the panels, each CTA multicasting
+// every other one.
 //
 // STREAM_B = 1 loads B with an evict-first L2 policy (`l2_evict_first`; the host sets it where all of a B tile's
 // readers run in one wave).
@@ -103,9 +104,9 @@ constexpr int CHUNK_ROW_BYTES = CH * EPI_BYTES;  // also the output map's swizzl
 constexpr int CHUNK_BYTES = 64 * CHUNK_ROW_BYTES;
 constexpr int D_ROWS_BYTES = 2 * CHUNK_BYTES;
 constexpr int CLUSTER = cluster_ctas(MCAST);
-static_assert(MCAST == 0 || (MCAST == 1 && BN % 16 == 0 && !B_KN) || (MCAST == 2 && BM >= 128) ||
+static_assert(MCAST == 0 || (MCAST == 1 && (B_KN ? B_PANELS >= 2 : BN % 16 == 0)) || (MCAST == 2 && BM >= 128) ||
                   (MCAST == 3 && BN % 32 == 0 && !B_KN),
-              "multicast parts must be whole 8-row swizzle atoms");
+              "multicast parts must be whole 8-row swizzle atoms ([K, N] B: whole panels, one pair)");
 constexpr int ACC = BN / 2;                          // fp32 accumulators per thread for m64nBN
 constexpr int PRODUCER_REGS = 40;
 // setmaxnreg: the producer's 128 threads keep 40 registers, the consumers share the rest of the CTA's allocation.
@@ -142,7 +143,10 @@ __device__ __forceinline__ void load_k_block(const Ring& ring, Pipe st, u8* smem
                            : rows_in_bounds(n0, BN, N) * 128;
   u64* bar = ring.acquire(st, rows_in_bounds(m0, BM, M) * 128 + b_bytes);
   tma_load_rows<a_sharers(MCAST)>(sa, tm_a, tm_a_edge, bar, kb * BK, m0, BM, M, rank);
-  if constexpr (B_KN) {
+  if constexpr (B_KN && MCAST == 1) {  // a pair sharing B: each CTA loads every other panel for both
+    for (int p = int(rank); p * B_PANEL_BYTES < b_bytes; p += 2)
+      tma_load_2d_multicast<STREAM_B>(sb + p * B_PANEL_BYTES, tm_b, bar, n0 + p * 64, kb * BK, 0b11);
+  } else if constexpr (B_KN) {
     for (int p = 0; p * B_PANEL_BYTES < b_bytes; ++p)
       tma_load_2d<STREAM_B>(sb + p * B_PANEL_BYTES, tm_b, bar, n0 + p * 64, kb * BK);
   } else {

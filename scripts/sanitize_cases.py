@@ -105,6 +105,14 @@ for mode in (g.MCAST_SHARE_B, g.MCAST_SHARE_A):
         d = ck.gemm(a, b2, out_dtype="float32", tuning=t, **kw)
         assert np.abs(d.numpy() - ref2).max() < 1e-2 * np.abs(ref2).max(), (mode, kw)
     assert {p.cfg.mcast for p in plans_under("gemm", t)} == {mode}
+# B as [K, N] shared by a pair of 64-row tiles (every other 64-column panel each; three panels, N past the last)
+b_kn = DeviceArray.from_numpy(np.ascontiguousarray(rng.standard_normal((520, 1000)).astype(ck.bfloat16.numpy)))
+a_kn = DeviceArray.from_numpy(rng.standard_normal((100, 520)).astype(ck.bfloat16.numpy))
+cfg_kn = g.make_config(100, 1000, 520, 4, device_properties(0), 64, 192, 2, b_kn=True, mcast=g.MCAST_SHARE_B)
+d = ck.gemm(a_kn, b_kn, out_dtype="float32", b_layout="kn", deterministic=True,
+            tuning=g.GemmTuning(force_config=cfg_kn))
+ref_kn = a_kn.numpy().astype(np.float64) @ b_kn.numpy().astype(np.float64)
+assert np.abs(d.numpy() - ref_kn).max() < 1e-2 * np.abs(ref_kn).max()
 print("gemm cluster sanitize cases ran")
 
 # FP8 block-scaled GEMM: tails on M, N and K; zero-copy M-major scales from the quantize op and row-major scales

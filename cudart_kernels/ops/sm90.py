@@ -123,10 +123,10 @@ def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, pr
                    tuning: Sm90Tuning, share_b: bool = True) -> int:
     """Pair tiles in 2-CTA clusters when it adds no wave: along M sharing B (halves the B reads), or along N
     sharing A; the side whose half-tile saves more bytes wins; one wave of unsplit tiles only where the shared tile
-    has few readers (wave_pair_max_rows / _cols). Each half must be whole 8-row swizzle atoms, and B
-    as [K, N] is never shared (it comes in panels), nor, with `share_b` False, at all. `tuning.force_mcast`
-    pairs on its side wherever that is legal."""
-    legal_b = share_b and not b_kn and bn % 16 == 0
+    has few readers (wave_pair_max_rows / _cols). Each half must be whole 8-row swizzle atoms; B as [K, N] (64-column
+    panels) is shared only by 64-row tiles of two or more whole panels (measured at M 65..128, docs/tuning.md),
+    and with `share_b` False not at all. `tuning.force_mcast` pairs on its side wherever that is legal."""
+    legal_b = share_b and (bm == 64 and bn % 64 == 0 and bn >= 128 if b_kn else bn % 16 == 0)
     if tuning.force_mcast is not None:  # (192-row halves of 96 rows are legal too)
         f = tuning.force_mcast
         return f if (f == MCAST_SHARE_B and legal_b) or (f == MCAST_SHARE_A and bm >= 128) else MCAST_NONE
