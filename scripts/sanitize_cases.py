@@ -88,7 +88,8 @@ for m_s, bm_s, bn_s, splits_s, mcast_s, with_c in (
                           mcast=mcast_s)
     a_s = DeviceArray.from_numpy(rng.standard_normal((m_s, 2056)).astype(ck.bfloat16.numpy))
     c_s = DeviceArray.from_numpy(rng.standard_normal((m_s, 1000)).astype(ck.bfloat16.numpy)) if with_c else None
-    d = ck.gemm(a_s, b_s, c=c_s, tuning=g.GemmTuning(force_config=cfg_s), deterministic=splits_s == 5)
+    d = DeviceArray.empty((m_s, 1000), "bf16").fill_bytes(0xFF)  # NaN: every element must be written
+    ck.gemm(a_s, b_s, out=d, c=c_s, tuning=g.GemmTuning(force_config=cfg_s), deterministic=splits_s == 5)
     ref_s = a_s.numpy().astype(np.float64) @ b_s.numpy().astype(np.float64).T
     if with_c:
         ref_s += c_s.numpy().astype(np.float64)
@@ -109,8 +110,8 @@ for mode in (g.MCAST_SHARE_B, g.MCAST_SHARE_A):
 b_kn = DeviceArray.from_numpy(np.ascontiguousarray(rng.standard_normal((520, 1000)).astype(ck.bfloat16.numpy)))
 a_kn = DeviceArray.from_numpy(rng.standard_normal((100, 520)).astype(ck.bfloat16.numpy))
 cfg_kn = g.make_config(100, 1000, 520, 4, device_properties(0), 64, 192, 2, b_kn=True, mcast=g.MCAST_SHARE_B)
-d = ck.gemm(a_kn, b_kn, out_dtype="float32", b_layout="kn", deterministic=True,
-            tuning=g.GemmTuning(force_config=cfg_kn))
+d = DeviceArray.empty((100, 1000), "fp32").fill_bytes(0xFF)
+ck.gemm(a_kn, b_kn, out=d, b_layout="kn", deterministic=True, tuning=g.GemmTuning(force_config=cfg_kn))
 ref_kn = a_kn.numpy().astype(np.float64) @ b_kn.numpy().astype(np.float64)
 assert np.abs(d.numpy() - ref_kn).max() < 1e-2 * np.abs(ref_kn).max()
 print("gemm cluster sanitize cases ran")

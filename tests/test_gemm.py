@@ -8,6 +8,7 @@ from dataclasses import replace
 from cudart_kernels.ops import gemm as g
 from cudart_kernels.ops import sm90
 from cudart_kernels.ops.sm90 import MapLayout
+from cudart_kernels.runtime.launch import get_launcher
 from cudart_kernels.runtime.plans import PLANS
 from cudart_kernels.runtime import dtypes as dt
 from cudart_kernels.runtime import driver
@@ -629,21 +630,25 @@ def test_swapped_split_and_fours(rng, shape, tile):
 
 
 @pytest.mark.gpu
-def test_swapped_fours_fall_back_where_they_do_not_fit():
-    """A pick of swapped fours with more clusters than the device holds at once runs without them (a second round
-    of fours about doubles the time): 384x4096x14336 picks 32 fours on 128 x 96 tiles."""
+@pytest.mark.parametrize("shape", [(384, 4096, 2056), (257, 5120, 2056)], ids=lambda s: "x".join(map(str, s)))
+def test_swapped_fours_run_only_where_they_fit(rng, shape):
+    """A pick of swapped fours runs them only where the device holds all of them at once, else the plan re-picks
+    without them (a second round of fours about doubles the time): 384 rows take 32 fours of 128 x 96 tiles, 257
+    rows 30; the result is right either way."""
+    m, n, k = shape
     props = driver.device_properties(0)
-    cfg = g.pick_config(384, 4096, 14336, 2, props)
-    a = DeviceArray.from_numpy(_rand(np.random.default_rng(3), (384, 14336), "bf16"))
-    b = DeviceArray.from_numpy(_rand(np.random.default_rng(4), (4096, 14336), "bf16"))
+    cfg = g.pick_config(m, n, k, 2, props)
+    assert cfg.swap_ab and cfg.mcast == sm90.MCAST_SHARE_B4
+    launch = get_launcher("gemm.cu", "gemm_kernel", g._defines(dt.bfloat16, dt.bfloat16, cfg), 0, g._ARGS,
+                          (cfg.threads,), cfg.smem, cluster=(4, 1, 1), pdl=g.TUNING.pdl)
+    cl_m, cl_n = sm90.cluster_tiles(n, m, cfg.bm, cfg.bn, cfg.mcast)
+    a, b = _rand(rng, (m, k), "bf16"), _rand(rng, (n, k), "bf16")
+    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
     PLANS.clear()
-    ck.gemm(a, b)
+    ck.gemm(DeviceArray.from_numpy(a), DeviceArray.from_numpy(b), out=out)
     (plan,) = PLANS.values("gemm")
-    if cfg.swap_ab and cfg.mcast == sm90.MCAST_SHARE_B4:
-        fits = plan.launch.max_active_clusters() if plan.cfg.mcast == sm90.MCAST_SHARE_B4 else None
-        assert plan.cfg.mcast != sm90.MCAST_SHARE_B4 or fits >= 32
-    else:
-        assert plan.cfg.mcast != sm90.MCAST_SHARE_B4
+    assert (plan.cfg.mcast == sm90.MCAST_SHARE_B4) == (cl_m * cl_n * cfg.splits <= launch.max_active_clusters())
+    _check(out.numpy(), a.astype(np.float64) @ b.astype(np.float64).T, "bf16")
 
 
 def test_swap_picks():
@@ -672,7 +677,9 @@ def test_swap_picks():
         assert cfg.swap_ab and (cfg.bm, cfg.bn, cfg.splits, cfg.mcast) == (128, 96, 1, sm90.MCAST_SHARE_B4)
         cfg = g.pick_config(129, 2112, 7168, 2, props)
         assert cfg.swap_ab and cfg.splits > 1 and cfg.mcast == g.MCAST_SHARE_A
-        assert not g.pick_config(129, 2112, 7168, 2, props, tuning=g.GemmTuning(swap_quads=False)).mcast == 3
+        assert g.pick_config(257, 5120, 25600, 2, props, tuning=g.GemmTuning(swap_quads=False)).mcast != 3
+        forced = g.GemmTuning(force_mcast=g.MCAST_NONE)  # force_mcast holds for swapped picks too
+        assert g.pick_config(257, 5120, 25600, 2, props, tuning=forced).mcast == g.MCAST_NONE
         forced = g.GemmTuning(force_config=pick)  # a forced swapped config where it cannot run: a clear error
         for kw in ({"out_bytes": 4}, {"accumulate": True}, {"b_kn": True}):
             with pytest.raises(ValueError, match="swap_ab"):

@@ -421,7 +421,8 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
             and t.swap_min_m <= m <= t.swap_max_m and k >= t.swap_min_k):
         swap = swap_candidate(m, n, k, props, t, split=splits == 1)
         if swap is not None and swap[0] < t.swap_share * busiest_cta_us(m, n, k, bm, bn, splits, props, t):
-            return make_config(n, m, k, out_bytes, props, *swap[1:4], tuning=t, swap_ab=True, mcast=swap[4])
+            return make_config(n, m, k, out_bytes, props, *swap[1:4], tuning=t, swap_ab=True,
+                               mcast=swap[4] if t.force_mcast is None else None)
     return make_config(m, n, k, out_bytes, props, bm, bn, splits, accumulate, b_kn, t)
 
 
