@@ -203,9 +203,9 @@ __device__ __forceinline__ void mma_k_blocks(float (&acc)[ACC], const Ring& ring
 // for the box across the last row (tma_load_rows; unused for [K, N] B). tm_out: EPI_STORE the D map (out dtype),
 // EPI_ACCUMULATE the fp32 D map, EPI_SPLIT the fp32 workspace map; all with box {CH, 64} and swizzle
 // CHUNK_ROW_BYTES (0 below 32); TRANS_OUT: the D^T map, box {64, CH}, or with EPI_SPLIT the workspace's (laid out
-// as D), box {32, CH}; 128-byte swizzle. d / ld_d: D for the split-K
-// finalisation; w / ld_w: the workspace; c / ld_c: C (or null; TRANS_OUT: C^T); counters: one int per 64-row
-// slice of every tile, zero between launches; group_m: cluster-tile rows per group of the tile order.
+// as D), box {32, CH}; 128-byte swizzle. d / ld_d: D for the split-K finalisation; w / ld_w: the workspace;
+// c / ld_c: C (or null; TRANS_OUT: C^T); counters: one int per 64-row slice of every tile, zero between launches;
+// group_m: cluster-tile rows per group of the tile order.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     const __grid_constant__ CUtensorMap_st tm_a, const __grid_constant__ CUtensorMap_st tm_b,
     const __grid_constant__ CUtensorMap_st tm_a_edge, const __grid_constant__ CUtensorMap_st tm_b_edge,

@@ -491,11 +491,14 @@ def swap_multicasts(m: int, n: int, bm: int, bn: int, props: DeviceProperties, t
     return out
 
 
+_SWAP_TIE = {MCAST_SHARE_A: 0, MCAST_NONE: 1, sm90.MCAST_SHARE_B4: 2}  # at equal price: A2 ran fastest
+
+
 def swap_candidate(m: int, n: int, k: int, props: DeviceProperties, tuning: GemmTuning = TUNING,
                    split: bool = True) -> tuple | None:
     """(estimate us, BM, BN, splits, mcast) of the cheapest config of D^T = B A^T: BM (128, 192 or 256) over N,
-    BN over M the narrowest multiple of 8 (16, 32: for B shared in pairs, fours) for each count of column tiles,
-    down to swap_min_bn; every cluster shape of `swap_multicasts`; unsplit (waves of tiles) or, with `split`,
+    BN over M the narrowest multiple of 8, of 16 and of 32 (fours need 32) for each count of column tiles, down to
+    swap_min_bn; every cluster shape of `swap_multicasts`; unsplit (waves of tiles) or, with `split`,
     split-K in one wave (128 and 192 rows). Priced by `busy_time_us` (a tile's columns past M cost as much as the
     others); a split's main loop at least `stream_us`, plus its partials and finish (`split_extra_us`) and
     split_fixed_us. None where none fits."""
@@ -520,8 +523,6 @@ def swap_candidate(m: int, n: int, k: int, props: DeviceProperties, tuning: Gemm
                     cands.append((est + split_extra_us(m, n, bn, sp, t) + t.split_fixed_us, bm, bn, sp, mcast))
     return min(cands, key=lambda c: (round(c[0], 3), c[3], -c[2], c[1], _SWAP_TIE[c[4]])) if cands else None
 
-
-_SWAP_TIE = {MCAST_SHARE_A: 0, MCAST_NONE: 1, sm90.MCAST_SHARE_B4: 2}  # at equal price: A2 ran fastest
 
 
 def split_extra_us(m: int, n: int, bn: int, splits: int, tuning: GemmTuning = TUNING) -> float:
