@@ -35,7 +35,8 @@
 //
 // B_KN = 1 reads B as [K, N] (N contiguous): it is loaded as ceil(BN / 64) panels of 64 N x 64 K and fed to
 // wgmma as an MN-major operand (transposed B). A pair sharing B (MCAST 1) splits the panels, each CTA multicasting
-// every other one.
+// every other one. A_MN = 1 reads A as [K, M] the same way, one panel per consumer (pairs sharing A, MCAST 2,
+// split them): a [K, N] B with swapped operands (TRANS_OUT), so that its tiles need not be multiples of 64 wide.
 //
 // STREAM_B = 1 loads B with an evict-first L2 policy (`l2_evict_first`; the host sets it where all of a B tile's
 // readers run in one wave).
@@ -48,7 +49,7 @@
 // narrow tiles of swapped operands (TRANS_OUT), e.g. three columns of 88 over M = 257.
 //
 // Compile-time parameters: IN_KIND, OUT_KIND (KIND_*), BM (64, 128, 192 or 256), BN (8..256, step 8), STAGES, EPI,
-// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, MCAST, STREAM_B, L2_WARM, TRANS_OUT.
+// C_KIND (KIND_NONE or the dtype of C), DETERMINISTIC, B_KN, A_MN, MCAST, STREAM_B, L2_WARM, TRANS_OUT.
 #include "common/epilogue.cuh"
 #include "common/pipeline.cuh"
 #include "common/scheduler.cuh"
@@ -72,6 +73,9 @@
 #ifndef B_KN
 #define B_KN 0
 #endif
+#ifndef A_MN
+#define A_MN 0
+#endif
 #ifndef L2_WARM
 #define L2_WARM 0
 #endif
@@ -89,9 +93,9 @@ constexpr int CONSUMERS = BM / 64;
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int OUT_BYTES = OUT_KIND == KIND_FP32 ? 4 : 2;
 constexpr int A_STAGE = BM * BK * 2;
-constexpr int B_PANELS = (BN + 63) / 64;                   // [K, N] B: 64-column panels of BK rows
-constexpr int B_PANEL_BYTES = BK * 128;
-constexpr int B_STAGE = B_KN ? B_PANELS * B_PANEL_BYTES : BN * BK * 2;
+constexpr int PANEL_BYTES = BK * 128;                      // MN-major operands: 64-column panels of BK rows
+constexpr int B_PANELS = (BN + 63) / 64;
+constexpr int B_STAGE = B_KN ? B_PANELS * PANEL_BYTES : BN * BK * 2;
 constexpr int CHUNK_KIND = EPI == EPI_STORE ? OUT_KIND : KIND_FP32;  // what the shared-memory output chunks hold
 constexpr int EPI_BYTES = EPI == EPI_STORE ? OUT_BYTES : 4;
 // The epilogue moves a consumer's 64 x BN result in chunks of 64 x CH through two alternating buffers, so the
@@ -120,6 +124,7 @@ static_assert(BM != 192 || EPI != EPI_SPLIT || BN <= 160, "192-row split-K tiles
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= THREADS * launch_regs(THREADS),
               "setmaxnreg beyond the CTA's register allocation");
 static_assert(!TRANS_OUT || (EPI != EPI_ACCUMULATE && OUT_BYTES == 2), "transposed tiles: stored or split, 16-bit D");
+static_assert(!A_MN || !B_KN, "one MN-major operand at most");
 
 // Shared memory (from a 1024-byte aligned base):
 // A stages | B stages | output tile | full barriers | empty barriers | one flag per consumer.
@@ -132,6 +137,27 @@ constexpr int SMEM_BYTES = SMEM_FLAGS + 16;
 typedef StageRing<STAGES, MCAST> Ring;
 typedef PipeState<STAGES> Pipe;
 
+// MN-major operand tiles: the panels of PANELS from column col0 that start before col_end.
+template <int PANELS>
+__device__ __forceinline__ int panels_in_bounds(int col0, int col_end) {
+  return min(PANELS, max(0, (col_end - col0 + 63) / 64));
+}
+
+// `panels` panels of 64 columns x BK rows from column col0, k row k0; SHARERS = 2 (a pair): each CTA loads every
+// other panel for both.
+template <int SHARERS, bool EVICT_FIRST = false>
+__device__ __forceinline__ void tma_load_panels(u8* dst, const CUtensorMap_st* map, u64* bar, int col0, int k0,
+                                                int panels, u32 rank) {
+  static_assert(SHARERS == 1 || SHARERS == 2, "MN-major panels are shared by a pair at most");
+  for (int p = SHARERS > 1 ? int(rank) : 0; p < panels; p += SHARERS) {
+    if constexpr (SHARERS > 1) {
+      tma_load_2d_multicast<EVICT_FIRST>(dst + p * PANEL_BYTES, map, bar, col0 + p * 64, k0, 0b11);
+    } else {
+      tma_load_2d<EVICT_FIRST>(dst + p * PANEL_BYTES, map, bar, col0 + p * 64, k0);
+    }
+  }
+}
+
 // Producer: k block kb of the tile at (m0, n0) into stage st (boxes wholly past M or N are not loaded).
 __device__ __forceinline__ void load_k_block(const Ring& ring, Pipe st, u8* smem, const CUtensorMap_st* tm_a,
                                              const CUtensorMap_st* tm_b, const CUtensorMap_st* tm_a_edge,
@@ -139,16 +165,17 @@ __device__ __forceinline__ void load_k_block(const Ring& ring, Pipe st, u8* smem
                                              u32 rank) {
   u8* sa = smem + st.stage * A_STAGE;
   u8* sb = smem + SMEM_B + st.stage * B_STAGE;
-  const int b_bytes = B_KN ? min(B_PANELS, max(0, (N - n0 + 63) / 64)) * B_PANEL_BYTES
-                           : rows_in_bounds(n0, BN, N) * 128;
-  u64* bar = ring.acquire(st, rows_in_bounds(m0, BM, M) * 128 + b_bytes);
-  tma_load_rows<a_sharers(MCAST)>(sa, tm_a, tm_a_edge, bar, kb * BK, m0, BM, M, rank);
-  if constexpr (B_KN && MCAST == 1) {  // a pair sharing B: each CTA loads every other panel for both
-    for (int p = int(rank); p * B_PANEL_BYTES < b_bytes; p += 2)
-      tma_load_2d_multicast<STREAM_B>(sb + p * B_PANEL_BYTES, tm_b, bar, n0 + p * 64, kb * BK, 0b11);
-  } else if constexpr (B_KN) {
-    for (int p = 0; p * B_PANEL_BYTES < b_bytes; ++p)
-      tma_load_2d<STREAM_B>(sb + p * B_PANEL_BYTES, tm_b, bar, n0 + p * 64, kb * BK);
+  const int a_panels = panels_in_bounds<BM / 64>(m0, M), b_panels = panels_in_bounds<B_PANELS>(n0, N);
+  const int a_bytes = A_MN ? a_panels * PANEL_BYTES : rows_in_bounds(m0, BM, M) * 128;
+  const int b_bytes = B_KN ? b_panels * PANEL_BYTES : rows_in_bounds(n0, BN, N) * 128;
+  u64* bar = ring.acquire(st, a_bytes + b_bytes);
+  if constexpr (A_MN) {
+    tma_load_panels<a_sharers(MCAST)>(sa, tm_a, bar, m0, kb * BK, a_panels, rank);
+  } else {
+    tma_load_rows<a_sharers(MCAST)>(sa, tm_a, tm_a_edge, bar, kb * BK, m0, BM, M, rank);
+  }
+  if constexpr (B_KN) {
+    tma_load_panels<b_sharers(MCAST), STREAM_B>(sb, tm_b, bar, n0, kb * BK, b_panels, rank);
   } else {
     tma_load_rows<b_sharers(MCAST), STREAM_B>(sb, tm_b, tm_b_edge, bar, kb * BK, n0, BN, N, rank);
   }
@@ -174,9 +201,15 @@ __device__ __forceinline__ void mma_k_blocks(float (&acc)[ACC], const Ring& ring
   int prev = -1;
   for (int kb = kb0; kb < kb1; ++kb) {
     ring.wait(st);
+#if A_MN
+    const u64 da = wgmma_desc_mn_sw128(smem + st.stage * A_STAGE + c * PANEL_BYTES, PANEL_BYTES);
+    constexpr u64 DA_STEP = (16 * 128) >> 4;  // 16 K rows of 128 bytes
+#else
     const u64 da = wgmma_desc_sw128(smem + st.stage * A_STAGE + c * 64 * 128);
+    constexpr u64 DA_STEP = 2;                // 16 K elements = 32 bytes
+#endif
 #if B_KN
-    const u64 db = wgmma_desc_mn_sw128(smem + SMEM_B + st.stage * B_STAGE, B_PANEL_BYTES);
+    const u64 db = wgmma_desc_mn_sw128(smem + SMEM_B + st.stage * B_STAGE, PANEL_BYTES);
     constexpr u64 DB_STEP = (16 * 128) >> 4;  // 16 K rows of 128 bytes
 #else
     const u64 db = wgmma_desc_sw128(smem + SMEM_B + st.stage * B_STAGE);
@@ -184,8 +217,8 @@ __device__ __forceinline__ void mma_k_blocks(float (&acc)[ACC], const Ring& ring
 #endif
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < BK / 16; ++k)  // A: 16 elements = 32 bytes = 2 descriptor units along K
-      Wgmma<WgIn, BN>::template mma<B_KN>(acc, da + 2 * k, db + DB_STEP * k, (kb != kb0) || k != 0);
+    for (int k = 0; k < BK / 16; ++k)
+      Wgmma<WgIn, BN>::template mma<B_KN, A_MN>(acc, da + DA_STEP * k, db + DB_STEP * k, (kb != kb0) || k != 0);
     wgmma_commit();
     wgmma_wait<IN_FLIGHT>();
     if (IN_FLIGHT == 0) ring.release_predicated_at(empty_bar + st.stage * 8, lane);
@@ -199,13 +232,13 @@ __device__ __forceinline__ void mma_k_blocks(float (&acc)[ACC], const Ring& ring
 }
 
 // tm_a / tm_b: A and [N, K] B with boxes {BK, rows a CTA loads of a tile} (its half when shared), 128-byte
-// swizzle; [K, N] B: boxes {64, BK}. tm_a_edge / tm_b_edge: the same tensors with boxes of M (N) modulo those rows,
-// for the box across the last row (tma_load_rows; unused for [K, N] B). tm_out: EPI_STORE the D map (out dtype),
-// EPI_ACCUMULATE the fp32 D map, EPI_SPLIT the fp32 workspace map; all with box {CH, 64} and swizzle
-// CHUNK_ROW_BYTES (0 below 32); TRANS_OUT: the D^T map, box {64, CH}, or with EPI_SPLIT the workspace's (laid out
-// as D), box {32, CH}; 128-byte swizzle. d / ld_d: D for the split-K finalisation; w / ld_w: the workspace;
-// c / ld_c: C (or null; TRANS_OUT: C^T); counters: one int per 64-row slice of every tile, zero between launches;
-// group_m: cluster-tile rows per group of the tile order.
+// swizzle; [K, M] A and [K, N] B: boxes {64, BK}. tm_a_edge / tm_b_edge: the same tensors with boxes of M (N)
+// modulo those rows, for the box across the last row (tma_load_rows; unused for MN-major operands). tm_out:
+// EPI_STORE the D map (out dtype), EPI_ACCUMULATE the fp32 D map, EPI_SPLIT the fp32 workspace map; all with box
+// {CH, 64} and swizzle CHUNK_ROW_BYTES (0 below 32); TRANS_OUT: the D^T map, box {64, CH}, or with EPI_SPLIT the
+// workspace's (laid out as D), box {32, CH}; 128-byte swizzle. d / ld_d: D for the split-K finalisation; w / ld_w:
+// the workspace; c / ld_c: C (or null; TRANS_OUT: C^T); counters: one int per 64-row slice of every tile, zero
+// between launches; group_m: cluster-tile rows per group of the tile order.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     const __grid_constant__ CUtensorMap_st tm_a, const __grid_constant__ CUtensorMap_st tm_b,
     const __grid_constant__ CUtensorMap_st tm_a_edge, const __grid_constant__ CUtensorMap_st tm_b_edge,
@@ -226,12 +259,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
       if (!sched.more(sched.first)) return;
       const GemmTile t = sched.tile(sched.first);
       if (t.kb0 >= t.kb1) return;
-      if constexpr (TRANS_OUT) {  // swapped operands: the weights are A (B is the previous kernel's output)
+      if constexpr (TRANS_OUT && A_MN) {  // swapped operands: the weights are A (B is the previous kernel's output)
+        for (int p = 0; p < panels_in_bounds<BM / 64>(t.m0, M); ++p)
+          tma_prefetch_2d(&tm_a, t.m0 + p * 64, t.kb0 * BK);
+      } else if constexpr (TRANS_OUT) {
         tma_prefetch_rows<a_sharers(MCAST)>(&tm_a, &tm_a_edge, t.kb0 * BK, t.m0, BM, M, rank);
       } else if constexpr (B_KN) {
-#pragma unroll
-        for (int p = 0; p < B_PANELS; ++p)
-          if (t.n0 + p * 64 < N) tma_prefetch_2d(&tm_b, t.n0 + p * 64, t.kb0 * BK);
+        for (int p = 0; p < panels_in_bounds<B_PANELS>(t.n0, N); ++p)
+          tma_prefetch_2d(&tm_b, t.n0 + p * 64, t.kb0 * BK);
       } else {
         tma_prefetch_rows<b_sharers(MCAST)>(&tm_b, &tm_b_edge, t.kb0 * BK, t.n0, BN, N, rank);
       }

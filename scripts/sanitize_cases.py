@@ -114,6 +114,14 @@ d = DeviceArray.empty((100, 1000), "fp32").fill_bytes(0xFF)
 ck.gemm(a_kn, b_kn, out=d, b_layout="kn", deterministic=True, tuning=g.GemmTuning(force_config=cfg_kn))
 ref_kn = a_kn.numpy().astype(np.float64) @ b_kn.numpy().astype(np.float64)
 assert np.abs(d.numpy() - ref_kn).max() < 1e-2 * np.abs(ref_kn).max()
+# ... and with swapped operands, its [K, N] memory the kernel's MN-major A (A_MN): pairs sharing it, and split
+a_kn = DeviceArray.from_numpy(rng.standard_normal((300, 520)).astype(ck.bfloat16.numpy))
+ref_kn = a_kn.numpy().astype(np.float64) @ b_kn.numpy().astype(np.float64)
+for bm_s, bn_s, splits_s, mcast_s in ((128, 152, 1, g.MCAST_SHARE_A), (128, 104, 3, g.MCAST_NONE)):
+    cfg_kn = g.make_config(1000, 300, 520, 2, device_properties(0), bm_s, bn_s, splits_s, swap_ab=True, mcast=mcast_s)
+    d = DeviceArray.empty((300, 1000), "bf16").fill_bytes(0xFF)
+    ck.gemm(a_kn, b_kn, out=d, b_layout="kn", deterministic=True, tuning=g.GemmTuning(force_config=cfg_kn))
+    assert np.abs(d.numpy().astype(np.float64) - ref_kn).max() < 2e-2 * np.abs(ref_kn).max(), (bm_s, bn_s)
 print("gemm cluster sanitize cases ran")
 
 # FP8 block-scaled GEMM: tails on M, N and K; zero-copy M-major scales from the quantize op and row-major scales

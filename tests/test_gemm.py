@@ -630,6 +630,40 @@ def test_swapped_split_and_fours(rng, shape, tile):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape,tile", [((300, 1000, 1040), (128, 152, 1, g.MCAST_NONE)),
+                                        ((257, 1000, 2080), (128, 88, 2, g.MCAST_NONE)),
+                                        ((144, 1000, 2080), (192, 72, 2, g.MCAST_SHARE_A)),
+                                        ((257, 2000, 1040), (128, 96, 1, sm90.MCAST_SHARE_B4)),
+                                        ((300, 600, 200), (256, 104, 1, g.MCAST_NONE)),
+                                        ((520, 1000, 2056), (256, 88, 1, g.MCAST_SHARE_A))],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_swapped_kn(rng, shape, tile):
+    """B as [K, N] with swapped operands: the kernel's A is B's [K, N] memory read as MN-major panels (A_MN), alone,
+    shared by pairs and split over K; N (the tile's rows) ends inside a panel; B a view with padded rows; C added,
+    fp16, deterministic runs bitwise equal; every element written and right."""
+    m, n, k = shape
+    bm, bn, splits, mcast = tile
+    cfg = g.make_config(n, m, k, 2, driver.device_properties(0), bm, bn, splits, swap_ab=True, mcast=mcast)
+    assert "A_MN" in g._defines(dt.bfloat16, dt.bfloat16, cfg, b_kn=True)
+    tuning = g.GemmTuning(force_config=cfg)
+    for dtype, c_dtype, det in (("bf16", None, False), ("fp16", "fp32", splits > 1), ("bf16", "bf16", False)):
+        a, b_full = _rand(rng, (m, k), dtype), _rand(rng, (k, n + 24), dtype)
+        db_full = DeviceArray.from_numpy(b_full)
+        db = DeviceArray.from_pointer(db_full.ptr, (k, n), dtype, (n + 24, 1))
+        ref = a.astype(np.float64) @ b_full[:, :n].astype(np.float64)
+        c = None if c_dtype is None else _rand(rng, (m, n), c_dtype)
+        runs = []
+        for _ in range(2 if det else 1):
+            out = DeviceArray.empty((m, n), dtype).fill_bytes(0xFF)
+            ck.gemm(DeviceArray.from_numpy(a), db, out=out, b_layout="kn", deterministic=det,
+                    c=None if c is None else DeviceArray.from_numpy(c), tuning=tuning)
+            runs.append(out.numpy())
+            _check(runs[-1], ref if c is None else ref + c.astype(np.float64), dtype)
+        if det:
+            assert np.array_equal(runs[0].view(np.uint16), runs[1].view(np.uint16))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(384, 4096, 2056), (257, 5120, 2056)], ids=lambda s: "x".join(map(str, s)))
 def test_swapped_fours_run_only_where_they_fit(rng, shape):
     """A pick of swapped fours runs them only where the device holds all of them at once, else the plan re-picks
@@ -653,11 +687,15 @@ def test_swapped_fours_run_only_where_they_fit(rng, shape):
 
 def test_swap_picks():
     """Swapped operands where M sits badly on 64-row tiles: 300 x 8192 x 28672 takes 152 columns over M (304
-    rows, not 384); never for an fp32 D, C accumulated in place, B as [K, N], forced split-K, M or K out of range."""
+    rows, not 384), with B as [N, K] or [K, N]; never for an fp32 D, C accumulated in place, forced split-K, M or K
+    out of range."""
     for props in (H100, H200):
         pick = g.pick_config(300, 8192, 28672, 2, props)
         assert pick.swap_ab and (pick.bm, pick.bn, pick.splits) == (128, 152, 1)
-        for kw in ({"out_bytes": 4}, {"accumulate": True}, {"b_kn": True}, {"split_k": 1}):
+        # B as [K, N] takes the same swapped tiles (H200, 2026-11-29: 69 real-model layers at M 144..700 whose
+        # [K, N] pick changed ran 0.802x the time of the unswapped one, 1.237 -> 0.992x cuBLAS's)
+        assert g.pick_config(300, 8192, 28672, 2, props, b_kn=True) == pick
+        for kw in ({"out_bytes": 4}, {"accumulate": True}, {"split_k": 1}):
             assert not g.pick_config(300, 8192, 28672, **{"out_bytes": 2, "props": props, **kw}).swap_ab
         assert not g.pick_config(4096, 8192, 28672, 2, props).swap_ab
         assert not g.pick_config(128, 10240, 8192, 2, props).swap_ab   # M <= 128: the 64-row and split paths
@@ -681,7 +719,7 @@ def test_swap_picks():
         forced = g.GemmTuning(force_mcast=g.MCAST_NONE)  # force_mcast holds for swapped picks too
         assert g.pick_config(257, 5120, 25600, 2, props, tuning=forced).mcast == g.MCAST_NONE
         forced = g.GemmTuning(force_config=pick)  # a forced swapped config where it cannot run: a clear error
-        for kw in ({"out_bytes": 4}, {"accumulate": True}, {"b_kn": True}):
+        for kw in ({"out_bytes": 4}, {"accumulate": True}):
             with pytest.raises(ValueError, match="swap_ab"):
                 g.pick_config(300, 8192, 28672, **{"out_bytes": 2, "props": props, "tuning": forced, **kw})
 

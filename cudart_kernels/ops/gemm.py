@@ -202,6 +202,13 @@ def _bn_candidates(n: int) -> list[int]:
     return sorted(b for b in cands if b <= max(16, 8 * -(-n // 8)))
 
 
+def _whole_panels(widths: list[int], n: int, bm: int, b_kn: bool) -> list[int]:
+    """The widths of 64-row tiles whose B is whole 64-column panels (or all of N) where B is [K, N]: a panel is
+    loaded whole, so a 64 x 80 tile loads 128 columns of B (1.2-1.7x the time of the same tile over [N, K],
+    H200, 2026-11-29). Taller tiles spread B over more rows."""
+    return [b for b in widths if b % 64 == 0 or b >= n] if b_kn and bm == 64 else widths
+
+
 def _split_bn_candidates(n: int, tuning: GemmTuning) -> list[int]:
     """BN values the split model was fitted on (and N itself, rounded up to 8, when N is smaller)."""
     fitted = [b for b, _ in tuning.kb_us_table[64]]
@@ -311,7 +318,7 @@ def split_candidates(m: int, n: int, k: int, bm: int, bn0: int, b_kn: bool, prop
     split_bm = 64 if m <= t.split_bm64_max_m else bm
     k_blocks = -(-k // BK)
     cands = [(split_time_us(m, n, k, bm, bn0, 1, props, t), bm, bn0, 1)]
-    for bn in _split_bn_candidates(n, t):
+    for bn in _whole_panels(_split_bn_candidates(n, t), n, split_bm, b_kn):
         if max_stages(split_bm, bn, 4, props.smem_per_block_optin, b_kn) < t.min_split_stages:
             continue
         if not _bn_fits(split_bm, bn, 2, t):
@@ -390,17 +397,17 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     t = tuning
     if t.force_config is not None:
         cfg = t.force_config
-        if cfg.swap_ab and (b_kn or accumulate or out_bytes != 2):
-            raise ValueError("a swapped-operand config (swap_ab) needs B as [N, K] and a 16-bit D that is not C "
-                             "accumulated in place")
+        if cfg.swap_ab and (accumulate or out_bytes != 2):
+            raise ValueError("a swapped-operand config (swap_ab) needs a 16-bit D that is not C accumulated in place")
         return cfg
     bm = row_tile(m)
     k_blocks = -(-k // BK)
     budget = props.smem_per_block_optin
     epi_plain = 4 if accumulate else out_bytes
     splits = max(1, min(int(split_k), k_blocks)) if split_k is not None else 1
-    bn0 = sm90.fewest_waves_bn(m, n, bm, [b for b in _bn_candidates(n) if _bn_fits(bm, b, 1, t)
-                                          and max_stages(bm, b, epi_plain, budget, b_kn) >= 2], props)
+    bn0 = sm90.fewest_waves_bn(m, n, bm, [b for b in _whole_panels(_bn_candidates(n), n, bm, b_kn)
+                                          if _bn_fits(bm, b, 1, t) and max_stages(bm, b, epi_plain, budget, b_kn) >= 2],
+                               props)
     if split_k is None and not unsplit_fills(m, n, bm, bn0, props, t) and k_blocks >= 2 * t.min_kblocks_per_split:
         est, bm, bn, splits = choose_split(split_candidates(m, n, k, bm, bn0, b_kn, props, t), m, n, b_kn, props, t)
         quad = quad_candidate(m, n, k, b_kn, props, t)
@@ -410,14 +417,14 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
         if wave is not None and wave[0] <= t.close * (est + (t.split_fixed_us if splits > 1 else 0.0)):
             _, bm, bn, splits = wave
     elif splits > 1:  # forced count: fewest waves of units, then the larger tile
-        fits = [b for b in _bn_candidates(n)
+        fits = [b for b in _whole_panels(_bn_candidates(n), n, bm, b_kn)
                 if _bn_fits(bm, b, splits, t) and max_stages(bm, b, 4, budget, b_kn) >= 2]
         bn = min(fits, key=lambda b: (-(-(-(-m // bm) * -(-n // b) * splits) // props.sm_count), -b))
     elif split_k is None and m > 128 and m % 128 and not b_kn and unsplit_fills(m, n, bm, bn0, props, t):
         bm, bn = ragged_pick(m, n, k, epi_plain, props, t)
     else:
         bn = bn0
-    if (split_k is None and not accumulate and not b_kn and out_bytes == 2 and t.swap_ab
+    if (split_k is None and not accumulate and out_bytes == 2 and t.swap_ab
             and t.swap_min_m <= m <= t.swap_max_m and k >= t.swap_min_k):
         swap = swap_candidate(m, n, k, props, t, split=splits == 1)
         if swap is not None and swap[0] < t.swap_share * busiest_cta_us(m, n, k, bm, bn, splits, props, t):
@@ -548,14 +555,21 @@ def unsplit_wave(m: int, n: int, k: int, b_kn: bool, props: DeviceProperties,
     None when no width gives such a wave. The pick (split or not) gives way to it within `close` of its estimate:
     it busies more SMs than an unsplit pick, and a split's epilogue costs more than the model has
     (docs/tuning.md)."""
-    waves = []
-    for bm in {row_tile(m)} | ({64} if m > tuning.split_bm64_max_m or not b_kn else set()):
-        for bn in _bn_candidates(n):
+    def waves_of(bm: int, widths: list) -> list:
+        out = []
+        for bn in widths:
             tiles = -(-m // bm) * -(-n // bn)
             if (tuning.wave_fill * props.sm_count <= tiles <= props.sm_count and _bn_fits(bm, bn, 1, tuning)
                     and max_stages(bm, bn, 2, props.smem_per_block_optin, b_kn) >= 2):
-                waves.append((split_time_us(m, n, k, bm, bn, 1, props, tuning), bm, bn, 1,
-                              tiles >= tuning.full_grid * props.sm_count))
+                out.append((split_time_us(m, n, k, bm, bn, 1, props, tuning), bm, bn, 1,
+                            tiles >= tuning.full_grid * props.sm_count))
+        return out
+
+    waves = []
+    for bm in {row_tile(m)} | ({64} if m > tuning.split_bm64_max_m or not b_kn else set()):
+        # (whole panels of [K, N] B where they make a wave; else any width: 140x1928x512 64 x 48 ran 0.86x the
+        # time of the 192 x 16 tiles it would give way to)
+        waves += waves_of(bm, _whole_panels(_bn_candidates(n), n, bm, b_kn)) or waves_of(bm, _bn_candidates(n))
     full = [w for w in waves if w[4]]
     return min(full or waves)[:4] if waves else None
 
@@ -583,8 +597,8 @@ def _defines(in_dtype, out_dtype, cfg: GemmConfig, epi: str = "EPI_STORE", c_dty
              deterministic: bool = False, b_kn: bool = False) -> dict:
     d = {"IN_KIND": _KIND[in_dtype], "OUT_KIND": _KIND[out_dtype], "BM": cfg.bm, "BN": cfg.bn,
          "STAGES": cfg.stages, "EPI": epi}
-    if b_kn:
-        d["B_KN"] = 1
+    if b_kn:  # B as [K, N]: swapped, the kernel's A is [K, M]
+        d["A_MN" if cfg.swap_ab else "B_KN"] = 1
     if c_dtype is not None:
         d["C_KIND"] = _KIND[c_dtype]
     if deterministic:
@@ -642,7 +656,8 @@ def variants():
                 seen[tuple(sorted(d.items()))] = ("gemm_decode.cu", "gemm_decode_kernel", d, 0)
     m, n, k = 4096, 4096, 7168  # the accumulate-into-fp32 benchmark
     add(pick_config(m, n, k, 4, H100, accumulate=True), "EPI_ACCUMULATE", dt.float32)
-    for m, n, k in ((8192, 8192, 8192), (128, 128, 65536)):  # B as [K, N]
+    # B as [K, N]: plain, and swapped (the kernel's A MN-major: A_MN)
+    for m, n, k in ((8192, 8192, 8192), (128, 128, 65536), (300, 8192, 28672), (129, 2112, 7168)):
         cfg = pick_config(m, n, k, 2, H100, b_kn=True)
         d = _defines(dt.bfloat16, dt.bfloat16, cfg, "EPI_SPLIT" if cfg.splits > 1 else "EPI_STORE", b_kn=True)
         seen[tuple(sorted(d.items()))] = ("gemm.cu", "gemm_kernel", d, cfg.smem)
@@ -747,9 +762,15 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
     it = av.dtype.itemsize
     ld_w = -(-n // 4) * 4
     cl_m, cl_n = sm90.cluster_tiles(km, kn, cfg.bm, cfg.bn, cfg.mcast)
-    map_a = MapLayout(ka.dtype, (k, km), (ka.strides[0] * it,), (BK, sm90.box_rows(cfg.bm, sm90.sharers(cfg.mcast)[0])),
-                      128, sm90.l2_promotion(cl_n, cfg.splits))
-    if b_kn:  # [K, N]: boxes of 64 N x 64 K, loaded panel by panel (no edge map)
+    if b_kn and cfg.swap_ab:  # the kernel's A is [K, N]'s B: boxes of 64 N x 64 K, panel by panel (no edge map)
+        map_a = map_a_edge = MapLayout(bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128,
+                                       sm90.l2_promotion(cl_n, cfg.splits))
+    else:
+        map_a = MapLayout(ka.dtype, (k, km), (ka.strides[0] * it,),
+                          (BK, sm90.box_rows(cfg.bm, sm90.sharers(cfg.mcast)[0])), 128,
+                          sm90.l2_promotion(cl_n, cfg.splits))
+        map_a_edge = sm90.edge_map(map_a, km)
+    if b_kn and not cfg.swap_ab:  # [K, N]: boxes of 64 N x 64 K, loaded panel by panel (no edge map)
         map_b = map_b_edge = MapLayout(bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128,
                                        sm90.l2_promotion(cl_m, cfg.splits))
     else:
@@ -775,7 +796,7 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
         scratch = (counters,)
     else:
         scratch = ()
-    return _Plan(cfg, epi, launch, grid, map_a, map_b, sm90.edge_map(map_a, km), map_b_edge, map_out, ld_w,
+    return _Plan(cfg, epi, launch, grid, map_a, map_b, map_a_edge, map_b_edge, map_out, ld_w,
                  scratch, c_dtype is not None, dv.strides[0], (km, kn, k))
 
 
