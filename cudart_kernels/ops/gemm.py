@@ -759,25 +759,12 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
             return _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, replace(tuning, swap_quads=False))
     tiles = -(-km // cfg.bm) * -(-kn // cfg.bn)
     grid = sm90.persistent_grid(launch, km, kn, cfg.bm, cfg.bn, cfg.mcast, cfg.splits, cfg.smem, props)
-    it = av.dtype.itemsize
     ld_w = -(-n // 4) * 4
     cl_m, cl_n = sm90.cluster_tiles(km, kn, cfg.bm, cfg.bn, cfg.mcast)
-    if b_kn and cfg.swap_ab:  # the kernel's A is [K, N]'s B: boxes of 64 N x 64 K, panel by panel (no edge map)
-        map_a = map_a_edge = MapLayout(bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128,
-                                       sm90.l2_promotion(cl_n, cfg.splits))
-    else:
-        map_a = MapLayout(ka.dtype, (k, km), (ka.strides[0] * it,),
-                          (BK, sm90.box_rows(cfg.bm, sm90.sharers(cfg.mcast)[0])), 128,
-                          sm90.l2_promotion(cl_n, cfg.splits))
-        map_a_edge = sm90.edge_map(map_a, km)
-    if b_kn and not cfg.swap_ab:  # [K, N]: boxes of 64 N x 64 K, loaded panel by panel (no edge map)
-        map_b = map_b_edge = MapLayout(bv.dtype, (n, k), (bv.strides[0] * it,), (64, BK), 128,
-                                       sm90.l2_promotion(cl_m, cfg.splits))
-    else:
-        map_b = MapLayout(kb_.dtype, (k, kn), (kb_.strides[0] * it,),
-                          (BK, sm90.box_rows(cfg.bn, sm90.sharers(cfg.mcast)[1])), 128,
-                          sm90.l2_promotion(cl_m, cfg.splits))
-        map_b_edge = sm90.edge_map(map_b, kn)
+    share_a, share_b = sm90.sharers(cfg.mcast)
+    # a [K, N] B is the kernel's A when swapped (A_MN), else its B (B_KN)
+    map_a, map_a_edge = _operand_maps(ka, k, km, cfg.bm, share_a, cl_n, cfg.splits, b_kn and cfg.swap_ab)
+    map_b, map_b_edge = _operand_maps(kb_, k, kn, cfg.bn, share_b, cl_m, cfg.splits, b_kn and not cfg.swap_ab)
     epi_bytes = 4 if epi != "EPI_STORE" else dv.dtype.itemsize
     box_out = (epilogue_chunk(cfg.bn, epi_bytes), 64)
     swz = epilogue_swizzle(cfg.bn, epi_bytes)
@@ -798,6 +785,20 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
         scratch = ()
     return _Plan(cfg, epi, launch, grid, map_a, map_b, map_a_edge, map_b_edge, map_out, ld_w,
                  scratch, c_dtype is not None, dv.strides[0], (km, kn, k))
+
+
+def _operand_maps(x: DeviceArray, k: int, rows: int, tile_rows: int, sharers: int, readers: int, splits: int,
+                  mn_major: bool) -> tuple:
+    """The TMA map of one of the kernel's operands (`rows` of M or N by K) and the map for its edge box: K-major,
+    boxes of BK x the tile rows a CTA loads, and the box across the last row (`sm90.edge_map`); MN-major ([K, rows]
+    memory), boxes of 64 rows x BK loaded panel by panel (no edge map)."""
+    promotion = sm90.l2_promotion(readers, splits)
+    stride = (x.strides[0] * x.dtype.itemsize,)
+    if mn_major:
+        panels = MapLayout(x.dtype, (rows, k), stride, (64, BK), 128, promotion)
+        return panels, panels
+    tiles = MapLayout(x.dtype, (k, rows), stride, (BK, sm90.box_rows(tile_rows, sharers)), 128, promotion)
+    return tiles, sm90.edge_map(tiles, rows)
 
 
 def _same_memory(x: DeviceArray, y: DeviceArray) -> bool:
