@@ -724,6 +724,25 @@ def test_swap_picks():
                 g.pick_config(300, 8192, 28672, **{"out_bytes": 2, "props": props, "tuning": forced, **kw})
 
 
+def test_kn_whole_panels():
+    """64-row tiles over a [K, N] B (loaded in whole 64-column panels) take widths of whole panels where one of them
+    makes the wave, and any width where none does; taller tiles keep every width."""
+    assert g._whole_panels([48, 64, 80, 128, 160], 1000, 64, True) == [64, 128]
+    assert g._whole_panels([48, 64, 80], 40, 64, True) == [48, 64, 80]        # all of N in one tile
+    assert g._whole_panels([80, 208], 1000, 128, True) == [80, 208]
+    assert g._whole_panels([80, 208], 1000, 64, False) == [80, 208]
+    for props in (H100, H200):
+        # H200, 2026-11-29: 64 x 176 -> 64 x 192 ran 0.738x / 0.947x the time
+        for shape in ((1044, 1216, 4080), (505, 2728, 1864)):
+            cfg = g.pick_config(*shape, 2, props, b_kn=True)
+            assert (cfg.bm, cfg.bn) == (64, 192) and (g.pick_config(*shape, 2, props).bn, cfg.bn) == (176, 192)
+        # no whole-panel wave at 140 x 1928 or 144 x 3072: any width (140x1928x512 64 x 48 ran 0.86x the time of
+        # the 192 x 16 tiles it would give way to, H200)
+        for shape, bn in (((140, 1928, 512), 48), ((144, 3072, 1536), 80)):
+            cfg = g.pick_config(*shape, 2, props, b_kn=True)
+            assert (cfg.bm, cfg.bn) == (64, bn), shape
+
+
 def test_busy_tile_price():
     """`busy_kblock_us`: wide tiles pay for their area, narrow tall ones for the rows they load (pairs sharing A load
     half of A's); a lone partial wave is cheaper per k block; swapped pairs only over an even count of columns."""

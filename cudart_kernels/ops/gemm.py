@@ -59,9 +59,9 @@ class GemmTuning(sm90.Sm90Tuning):
     split_bm64_max_m: int = 128         # split-K up to this M searches 64-row tiles
     quad_clusters_share: float = 0.85   # ... and at M 193..256 in clusters of four sharing B, up to this share (quad_split)
     # Swapped operands (`swap_candidate`): D^T = B A^T, so that M runs over the tile's columns (steps of 8, not
-    # 64), unsplit or (where the unswapped pick is unsplit) split-K. For 16-bit D, B as [N, K], no forced split
-    # count, M in swap_min_m..swap_max_m and K >= swap_min_k, where its best estimate is below swap_share of the
-    # pick's (both priced by `busy_kblock_us`).
+    # 64), unsplit or (where the unswapped pick is unsplit) split-K. For 16-bit D (B as [N, K] or [K, N]), no
+    # forced split count, M in swap_min_m..swap_max_m and K >= swap_min_k, where its best estimate is below
+    # swap_share of the pick's (both priced by `busy_kblock_us`).
     swap_ab: bool = True
     swap_min_m: int = 129
     swap_max_m: int = 1024
@@ -390,9 +390,10 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     with a throughput model (`split_time_us`); at M 193..256 split-K in clusters of four 64-row tiles takes over
     where the model puts it lower (`quad_candidate`), and the pick gives way to one wave of unsplit tiles that the
     model puts within `close` of it (`unsplit_wave`). `split_k` forces the count. Stages fill the smem budget.
-    Last, at M 129..1024 with a 16-bit D, B as [N, K] and no forced split, swapped operands (D^T = B A^T, the
-    config's BM over N and BN over M; split-K too where the pick is unsplit) take over where `swap_candidate` puts
-    them below swap_share of the pick.
+    Last, at M 129..1024 with a 16-bit D and no forced split, swapped operands (D^T = B A^T, the config's BM over
+    N and BN over M; split-K too where the pick is unsplit) take over where `swap_candidate` puts them below
+    swap_share of the pick; B as [K, N] the same (the kernel's A is then MN-major). 64-row tiles over a [K, N] B
+    are whole 64-column panels where that gives the same choices (`_whole_panels`).
     """
     t = tuning
     if t.force_config is not None:
