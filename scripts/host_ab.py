@@ -10,24 +10,15 @@ between processes on the same H100 host. A torch.matmul row timed against itself
 """
 import importlib
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 
+from base_tree import load_base
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_base(base_dir: str):
-    """The base package under another name (its imports within the package are relative)."""
-    tmp = tempfile.mkdtemp()
-    shutil.copytree(os.path.join(base_dir, "cudart_kernels"), os.path.join(tmp, "cudart_kernels_base"))
-    shutil.copytree(os.path.join(base_dir, "ptx"), os.path.join(tmp, "ptx"))  # the base's kernels, found beside it
-    sys.path.insert(0, tmp)
-    return importlib.import_module("cudart_kernels_base")
 
 
 def cases(lib, t):
