@@ -615,20 +615,35 @@ def test_swapped_split_and_fours(rng, shape, tile):
     m, n, k = shape
     bm, bn, splits, mcast = tile
     cfg = g.make_config(n, m, k, 2, driver.device_properties(0), bm, bn, splits, swap_ab=True, mcast=mcast)
+    _check_forced(rng, m, n, k, cfg, (("bf16", None, False), ("fp16", "fp32", False), ("bf16", "bf16", True)))
+
+
+def _check_forced(rng, m, n, k, cfg, runs, kn=False):
+    """Run the forced config `cfg` once per (dtype, C dtype or None, deterministic) of `runs` (twice where
+    deterministic: bitwise equal) into NaN-filled outputs, each checked against float64. With `kn`, B is [K, N] and a
+    view with padded rows."""
     tuning = g.GemmTuning(force_config=cfg)
-    for dtype, c_dtype, det in (("bf16", None, False), ("fp16", "fp32", False), ("bf16", "bf16", True)):
-        a, b = _rand(rng, (m, k), dtype), _rand(rng, (n, k), dtype)
-        ref = a.astype(np.float64) @ b.astype(np.float64).T
+    for dtype, c_dtype, det in runs:
+        a = _rand(rng, (m, k), dtype)
+        if kn:
+            b_full = _rand(rng, (k, n + 24), dtype)
+            db_full = DeviceArray.from_numpy(b_full)  # (kept: the view does not own its memory)
+            db = DeviceArray.from_pointer(db_full.ptr, (k, n), dtype, (n + 24, 1))
+            ref = a.astype(np.float64) @ b_full[:, :n].astype(np.float64)
+        else:
+            b = _rand(rng, (n, k), dtype)
+            db = DeviceArray.from_numpy(b)
+            ref = a.astype(np.float64) @ b.astype(np.float64).T
         c = None if c_dtype is None else _rand(rng, (m, n), c_dtype)
-        runs = []
+        outs = []
         for _ in range(2 if det else 1):
             out = DeviceArray.empty((m, n), dtype).fill_bytes(0xFF)
-            ck.gemm(DeviceArray.from_numpy(a), DeviceArray.from_numpy(b), out=out, deterministic=det,
+            ck.gemm(DeviceArray.from_numpy(a), db, out=out, b_layout="kn" if kn else "nk", deterministic=det,
                     c=None if c is None else DeviceArray.from_numpy(c), tuning=tuning)
-            runs.append(out.numpy())
-            _check(runs[-1], ref if c is None else ref + c.astype(np.float64), dtype)
+            outs.append(out.numpy())
+            _check(outs[-1], ref if c is None else ref + c.astype(np.float64), dtype)
         if det:
-            assert np.array_equal(runs[0].view(np.uint16), runs[1].view(np.uint16))
+            assert np.array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
 
 
 @pytest.mark.gpu
@@ -647,22 +662,8 @@ def test_swapped_kn(rng, shape, tile):
     bm, bn, splits, mcast = tile
     cfg = g.make_config(n, m, k, 2, driver.device_properties(0), bm, bn, splits, swap_ab=True, mcast=mcast)
     assert "A_MN" in g._defines(dt.bfloat16, dt.bfloat16, cfg, b_kn=True)
-    tuning = g.GemmTuning(force_config=cfg)
-    for dtype, c_dtype, det in (("bf16", None, False), ("fp16", "fp32", splits > 1), ("bf16", "bf16", False)):
-        a, b_full = _rand(rng, (m, k), dtype), _rand(rng, (k, n + 24), dtype)
-        db_full = DeviceArray.from_numpy(b_full)
-        db = DeviceArray.from_pointer(db_full.ptr, (k, n), dtype, (n + 24, 1))
-        ref = a.astype(np.float64) @ b_full[:, :n].astype(np.float64)
-        c = None if c_dtype is None else _rand(rng, (m, n), c_dtype)
-        runs = []
-        for _ in range(2 if det else 1):
-            out = DeviceArray.empty((m, n), dtype).fill_bytes(0xFF)
-            ck.gemm(DeviceArray.from_numpy(a), db, out=out, b_layout="kn", deterministic=det,
-                    c=None if c is None else DeviceArray.from_numpy(c), tuning=tuning)
-            runs.append(out.numpy())
-            _check(runs[-1], ref if c is None else ref + c.astype(np.float64), dtype)
-        if det:
-            assert np.array_equal(runs[0].view(np.uint16), runs[1].view(np.uint16))
+    _check_forced(rng, m, n, k, cfg, (("bf16", None, False), ("fp16", "fp32", splits > 1), ("bf16", "bf16", False)),
+                  kn=True)
 
 
 @pytest.mark.gpu

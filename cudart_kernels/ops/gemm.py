@@ -393,7 +393,7 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     Last, at M 129..1024 with a 16-bit D and no forced split, swapped operands (D^T = B A^T, the config's BM over
     N and BN over M; split-K too where the pick is unsplit) take over where `swap_candidate` puts them below
     swap_share of the pick; B as [K, N] the same (the kernel's A is then MN-major). 64-row tiles over a [K, N] B
-    are whole 64-column panels where that gives the same choices (`_whole_panels`).
+    are whole 64-column panels (`_whole_panels`; `unsplit_wave` takes any width where no such width makes a wave).
     """
     t = tuning
     if t.force_config is not None:
