@@ -13,6 +13,7 @@ figures may still pick differently, and such kernels compile there). Prints one 
 geomean new / base and against cuBLAS by M range; --json writes the rows.
 """
 import argparse
+import inspect
 import json
 import math
 import os
@@ -48,11 +49,29 @@ def describe(c) -> str:
     return f"{c.bm}x{c.bn}x{c.splits}{' swapped' if c.swap_ab else ''}{' m' + str(c.mcast) if c.mcast else ''}"
 
 
+def misaligned(n, k, kn: bool) -> bool:
+    """Whether contiguous bf16 operands of this shape have rows off 128-byte boundaries (A's K, or a [K, N] B's N)."""
+    return k % 64 != 0 or (kn and n % 64 != 0)
+
+
 def pick(lib, m, n, k, props, kn: bool):
-    """The config a library runs for bf16 in and out (its decode config, or its tiled one)."""
+    """The config a library runs for bf16 in and out (its decode config, or its tiled one; a version that tells
+    misaligned rows apart is told)."""
     g = lib.ops.gemm
     dc = g.pick_decode(m, n, k, props, b_kn=kn)
-    return dc if dc is not None else g.pick_config(m, n, k, 2, props, b_kn=kn)
+    if dc is not None:
+        return dc
+    if "misaligned" in inspect.signature(g.pick_config).parameters:
+        return g.pick_config(m, n, k, 2, props, b_kn=kn, misaligned=misaligned(n, k, kn))
+    return g.pick_config(m, n, k, 2, props, b_kn=kn)
+
+
+def differs(base, new, m, n, k, base_props, props, kn: bool) -> bool:
+    """Whether the two versions run this shape differently: another config, or misaligned rows that only the new
+    one tells apart (its TMA maps differ)."""
+    c_base, c_new = pick(base, m, n, k, base_props, kn), pick(new, m, n, k, props, kn)
+    aware = ["misaligned" in inspect.signature(lib.ops.gemm.pick_config).parameters for lib in (base, new)]
+    return key(c_base) != key(c_new) or (aware[0] != aware[1] and misaligned(n, k, kn) and hasattr(c_new, "bm"))
 
 
 def key(c) -> tuple:
@@ -95,7 +114,7 @@ def main() -> int:
     if args.compile:
         props = getattr(new.runtime.driver, args.props)
         base_props = getattr(base.runtime.driver, args.props)
-        todo = [s for s in shapes(args) if key(pick(base, *s, base_props, kn)) != key(pick(new, *s, props, kn))]
+        todo = [s for s in shapes(args) if differs(base, new, *s, base_props, props, kn)]
         compile_both(base, new, todo, props, kn)
         return 0
 
@@ -105,9 +124,9 @@ def main() -> int:
     props, base_props = new.runtime.driver.device_properties(0), base.runtime.driver.device_properties(0)
     rows, worst = [], 0.0
     for m, n, k in shapes(args):
-        c_base, c_new = pick(base, m, n, k, base_props, kn), pick(new, m, n, k, props, kn)
-        if key(c_base) == key(c_new):
+        if not differs(base, new, m, n, k, base_props, props, kn):
             continue
+        c_base, c_new = pick(base, m, n, k, base_props, kn), pick(new, m, n, k, props, kn)
         sets = sets_beyond_l2((m * k + n * k + m * n) * 2, cap=8)
         a = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
         b = [torch.randn(k, n, device="cuda", dtype=torch.bfloat16) if kn else

@@ -284,6 +284,41 @@ def test_l2_promotion():
     assert sm90.l2_promotion(2, 8) == 128                           # split, re-read from L2
 
 
+def test_misaligned_rows():
+    """Rows off 128-byte boundaries (row stride or address): L2 promotion 128, pairs even in one wave (192-row tiles
+    share A where B cannot be shared), swapped tiles only in clusters, and the swap priced with 64-row tiles' loads
+    dearer; aligned rows keep every pick."""
+    bf = dt.bfloat16
+    assert sm90.rows_misaligned(fake((64, 4104), bf)) and not sm90.rows_misaligned(fake((64, 4096), bf))
+    assert sm90.rows_misaligned(fake((64, 4096), bf, offset=16))  # a view 8 columns in
+    assert sm90.rows_misaligned(fake((64, 4096), bf, (4104, 1)))
+    assert not sm90.rows_misaligned(fake((64, 4104), bf, (4160, 1), offset=256))
+    assert sm90.array_key(fake((8, 64), bf, offset=16)) != sm90.array_key(fake((8, 64), bf, offset=32))
+    assert sm90.l2_promotion(1, 1, True) == sm90.l2_promotion(4, 8, True) == 128
+    for props in (H100, H200):
+        def P(*args, misaligned):
+            return sm90.pick_multicast(*args, props, g.TUNING, misaligned=misaligned)
+        assert P(1801, 1744, 128, 224, 1, False, misaligned=False) == g.MCAST_NONE  # one wave, 15 rows of tiles
+        assert P(1801, 1744, 128, 224, 1, False, misaligned=True) == g.MCAST_SHARE_B
+        assert P(1678, 3968, 192, 144, 1, False, misaligned=False) == g.MCAST_NONE  # sharing B adds a wave
+        assert P(1678, 3968, 192, 144, 1, False, misaligned=True) == g.MCAST_SHARE_A
+        assert P(4096, 4096, 192, 192, 1, False, misaligned=True) == g.MCAST_SHARE_B
+        assert P(64, 4096, 64, 32, 1, False, misaligned=True) == g.MCAST_NONE  # one tile row, 64 rows
+        # 512 x 4096: one wave of unpaired 64 x 256 tiles aligned; misaligned, swapped pairs of 128 x 128
+        aligned, misaligned = (g.pick_config(512, 4096, 7176, 2, props, misaligned=x) for x in (False, True))
+        assert (aligned.bm, aligned.bn, aligned.mcast, aligned.swap_ab) == (64, 256, g.MCAST_NONE, False)
+        assert (misaligned.bm, misaligned.bn, misaligned.mcast, misaligned.swap_ab) == (128, 128, g.MCAST_SHARE_A, True)
+        for shape in ((643, 16280, 9160), (454, 8384, 10648)):  # swapped tiles alone aligned, in pairs misaligned
+            assert g.pick_config(*shape, 2, props).mcast == g.MCAST_NONE
+            cfg = g.pick_config(*shape, 2, props, misaligned=True)
+            assert cfg.swap_ab and cfg.mcast == g.MCAST_SHARE_A
+    assert g.swap_multicasts(300, 4096, 128, 160, H200, misaligned=True) == [g.MCAST_SHARE_A, sm90.MCAST_SHARE_B4]
+    assert g.swap_multicasts(257, 5120, 128, 88, H200, misaligned=True) == []
+    t = g.TUNING
+    assert g.busy_kblock_us(64, 96, misaligned=True) == pytest.approx(g.kblock_us(64, 96) * t.misaligned_row_cost)
+    assert g.busy_kblock_us(128, 256, misaligned=True) == g.busy_kblock_us(128, 256)
+
+
 def test_evict_first_b():
     """B streams with an evict-first L2 policy where M <= 128, its rows are at least 2 KB and it is [N, K]."""
     def streams(m, n, k, **kw):
@@ -616,6 +651,28 @@ def test_swapped_split_and_fours(rng, shape, tile):
     bm, bn, splits, mcast = tile
     cfg = g.make_config(n, m, k, 2, driver.device_properties(0), bm, bn, splits, swap_ab=True, mcast=mcast)
     _check_forced(rng, m, n, k, cfg, (("bf16", None, False), ("fp16", "fp32", False), ("bf16", "bf16", True)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,offset", [((1801, 1744, 1992), 0), ((512, 4096, 1416), 0), ((300, 1000, 2048), 8),
+                                          ((129, 600, 4104), 0)], ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else f"offset{s}")
+def test_misaligned_rows_gpu(rng, shape, offset):
+    """Rows off 128-byte boundaries, K % 64 != 0 or A and B views `offset` columns into wider rows: the plan's maps
+    fill 128 bytes and the picks pair (the 1801-row one in one wave); every element written and right, with C."""
+    m, n, k = shape
+    a_full, b_full = _rand(rng, (m, k + offset), "bf16"), _rand(rng, (n, k + offset), "bf16")
+    da, db = DeviceArray.from_numpy(a_full), DeviceArray.from_numpy(b_full)
+    views = [DeviceArray.from_pointer(x.ptr + 2 * offset, (x.shape[0], k), "bf16", (k + offset, 1)) for x in (da, db)]
+    assert all(sm90.rows_misaligned(v) for v in views)
+    c = _rand(rng, (m, n), "bf16")
+    out = DeviceArray.empty((m, n), "bf16").fill_bytes(0xFF)
+    PLANS.clear()
+    ck.gemm(*views, out=out, c=DeviceArray.from_numpy(c))
+    (plan,) = PLANS.values("gemm")
+    assert plan.map_a.l2_promotion == plan.map_b.l2_promotion == 128
+    assert plan.cfg.mcast != g.MCAST_NONE or plan.cfg.splits > 1
+    ref = a_full[:, offset:].astype(np.float64) @ b_full[:, offset:].astype(np.float64).T + c.astype(np.float64)
+    _check(out.numpy(), ref, "bf16")
 
 
 def _check_forced(rng, m, n, k, cfg, runs, kn=False):

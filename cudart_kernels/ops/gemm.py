@@ -75,6 +75,10 @@ class GemmTuning(sm90.Sm90Tuning):
     # lone_wave_gain x its share of the SMs (less contention for L2 and DRAM).
     area_kb_us: float = 2.6e-5
     row_kb_us: float = 2e-3
+    # Rows not 128-byte aligned (`sm90.rows_misaligned`) span two L2 lines per box row: a 64-row tile's loads then
+    # cost this many times as much in `busy_kblock_us` (H200, 2026-11-29: 64 x 256 tiles 2.4x the time of the
+    # aligned view's, 128 x 224 tiles unpaired 1.6x; pricing 128-row and wider tiles so too lost on the swap).
+    misaligned_row_cost: float = 1.8
     lone_wave_gain: float = 0.3
     bm192_max_bn: int = 192             # three consumers get 152 registers each
     bm192_split_max_bn: int = 160
@@ -380,7 +384,8 @@ def choose_split(cands: list, m: int, n: int, b_kn: bool, props: DevicePropertie
 
 
 def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, split_k: int | None = None,
-                accumulate: bool = False, b_kn: bool = False, tuning: GemmTuning = TUNING) -> GemmConfig:
+                accumulate: bool = False, b_kn: bool = False, tuning: GemmTuning = TUNING,
+                misaligned: bool = False) -> GemmConfig:
     """Block shape, stages and split-K count.
 
     Without split-K (enough tiles to fill the GPU, or split_k=1): BM is 64 for M <= 64, 192 for M in 129..192
@@ -394,6 +399,9 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     N and BN over M; split-K too where the pick is unsplit) take over where `swap_candidate` puts them below
     swap_share of the pick; B as [K, N] the same (the kernel's A is then MN-major). 64-row tiles over a [K, N] B
     are whole 64-column panels (`_whole_panels`; `unsplit_wave` takes any width where no such width makes a wave).
+    `misaligned` (A's or B's rows not 128-byte aligned, `sm90.rows_misaligned`): the same tiles, paired wherever a
+    pair adds no wave (`sm90.pick_multicast`), swapped only in clusters (`swap_multicasts`), the swap priced with
+    64-row tiles' loads at misaligned_row_cost (docs/tuning.md).
     """
     t = tuning
     if t.force_config is not None:
@@ -427,22 +435,24 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
         bn = bn0
     if (split_k is None and not accumulate and out_bytes == 2 and t.swap_ab
             and t.swap_min_m <= m <= t.swap_max_m and k >= t.swap_min_k):
-        swap = swap_candidate(m, n, k, props, t, split=splits == 1)
-        if swap is not None and swap[0] < t.swap_share * busiest_cta_us(m, n, k, bm, bn, splits, props, t):
+        swap = swap_candidate(m, n, k, props, t, split=splits == 1, misaligned=misaligned)
+        if swap is not None and swap[0] < t.swap_share * busiest_cta_us(m, n, k, bm, bn, splits, props, t,
+                                                                         misaligned):
             return make_config(n, m, k, out_bytes, props, *swap[1:4], tuning=t, swap_ab=True,
                                mcast=swap[4] if t.force_mcast is None else None)
-    return make_config(m, n, k, out_bytes, props, bm, bn, splits, accumulate, b_kn, t)
+    return make_config(m, n, k, out_bytes, props, bm, bn, splits, accumulate, b_kn, t, misaligned=misaligned)
 
 
-def busy_kblock_us(bm: int, bn: int, mcast: int = MCAST_NONE, tuning: GemmTuning = TUNING) -> float:
+def busy_kblock_us(bm: int, bn: int, mcast: int = MCAST_NONE, tuning: GemmTuning = TUNING,
+                   misaligned: bool = False) -> float:
     """Microseconds per k block of an unsplit BM x BN tile where every SM works: area_kb_us per output element or,
     from 128 rows, row_kb_us per row of A and B the CTA loads (a cluster's shared one over its sharers), whichever
     is more (narrow tiles wait on their loads); 64 rows at least `kblock_us`. Fitted on 121 shapes at M 129..1024
-    (H200, docs/tuning.md)."""
+    (H200, docs/tuning.md). `misaligned` rows: the 64-row floor times misaligned_row_cost."""
     t = tuning
     area = t.area_kb_us * bm * bn
-    if bm < 128:  # one consumer: narrow tiles keep the split model's per-k-block floor
-        return max(area, kblock_us(64, bn, t))
+    if bm < 128:  # one consumer: narrow tiles keep the split model's per-k-block floor (their loads')
+        return max(area, kblock_us(64, bn, t) * (t.misaligned_row_cost if misaligned else 1.0))
     share_a, share_b = sm90.sharers(mcast)
     return max(area, t.row_kb_us * (bm / share_a + bn / share_b))
 
@@ -456,14 +466,15 @@ def lone_wave_share(tiles: int, props: DeviceProperties, tuning: GemmTuning = TU
 
 
 def busy_time_us(load: float, tiles: int, k: int, bm: int, bn: int, mcast: int, props: DeviceProperties,
-                 tuning: GemmTuning = TUNING) -> float:
+                 tuning: GemmTuning = TUNING, misaligned: bool = False) -> float:
     """`load` tiles' worth of k blocks for the busiest CTA of a grid of `tiles` BM x BN tiles, at `busy_kblock_us`
     and `lone_wave_share`: the one price of both sides of the swap decision."""
-    return load * -(-k // BK) * busy_kblock_us(bm, bn, mcast, tuning) * lone_wave_share(tiles, props, tuning)
+    return (load * -(-k // BK) * busy_kblock_us(bm, bn, mcast, tuning, misaligned)
+            * lone_wave_share(tiles, props, tuning))
 
 
 def busiest_cta_us(m: int, n: int, k: int, bm: int, bn: int, splits: int, props: DeviceProperties,
-                   tuning: GemmTuning = TUNING) -> float:
+                   tuning: GemmTuning = TUNING, misaligned: bool = False) -> float:
     """Estimated time of an unswapped config for the swap decision. Unsplit ones priced like `swap_candidate`'s: the
     busiest CTA's tiles (`ragged_load` for 128 and 192 rows, else waves of tiles) at `busy_kblock_us`. Split ones
     keep `split_time_us` (the `kb_us` table, below `busy_kblock_us` for wide tiles: a swap must win by more there;
@@ -472,8 +483,8 @@ def busiest_cta_us(m: int, n: int, k: int, bm: int, bn: int, splits: int, props:
         return split_time_us(m, n, k, bm, bn, splits, props, tuning)
     tiles = -(-m // bm) * -(-n // bn)
     load = ragged_load(m, n, bm, bn, props, tuning) if bm in (128, 192) else -(-tiles // props.sm_count)
-    mcast = sm90.pick_multicast(m, n, bm, bn, 1, False, props, tuning)
-    return busy_time_us(load, tiles, k, bm, bn, mcast, props, tuning)
+    mcast = sm90.pick_multicast(m, n, bm, bn, 1, False, props, tuning, misaligned=misaligned)
+    return busy_time_us(load, tiles, k, bm, bn, mcast, props, tuning, misaligned)
 
 
 def swap_pairs(m: int, bm: int, bn: int, tuning: GemmTuning = TUNING) -> bool:
@@ -482,13 +493,15 @@ def swap_pairs(m: int, bm: int, bn: int, tuning: GemmTuning = TUNING) -> bool:
     return tuning.multicast and bm >= 128 and -(-m // bn) % 2 == 0
 
 
-def swap_multicasts(m: int, n: int, bm: int, bn: int, props: DeviceProperties, tuning: GemmTuning = TUNING) -> list:
-    """The cluster shapes a swapped BM x BN tile may take over D = [M, N]: alone; pairs along D's rows sharing A
+def swap_multicasts(m: int, n: int, bm: int, bn: int, props: DeviceProperties, tuning: GemmTuning = TUNING,
+                    misaligned: bool = False) -> list:
+    """The cluster shapes a swapped BM x BN tile may take over D = [M, N]: alone (not for `misaligned` rows:
+    swapped tiles alone then ran 1.47-1.73x cuBLAS's time, H200, 2026-11-29); pairs along D's rows sharing A
     (`swap_pairs`); with swap_quads, fours along N sharing B (the activations, a quarter of whole 8-row swizzle
     atoms each), no spare tiles, in one wave (the plan checks it against the clusters that fit: `_plan`). Pairs
     sharing B ran no faster than these at the same price (H200, 2026-11-29: 0.94-1.05x the time of the others)."""
     t = tuning
-    out = [MCAST_NONE]
+    out = [] if misaligned else [MCAST_NONE]
     if not t.multicast:
         return out
     rows, cols = -(-n // bm), -(-m // bn)
@@ -503,7 +516,7 @@ _SWAP_TIE = {MCAST_SHARE_A: 0, MCAST_NONE: 1, sm90.MCAST_SHARE_B4: 2}  # at equa
 
 
 def swap_candidate(m: int, n: int, k: int, props: DeviceProperties, tuning: GemmTuning = TUNING,
-                   split: bool = True) -> tuple | None:
+                   split: bool = True, misaligned: bool = False) -> tuple | None:
     """(estimate us, BM, BN, splits, mcast) of the cheapest config of D^T = B A^T: BM (128, 192 or 256) over N,
     BN over M the narrowest multiple of 8, of 16 and of 32 (fours need 32) for each count of column tiles, down to
     swap_min_bn; every cluster shape of `swap_multicasts`; unsplit (waves of tiles) or, with `split`,
@@ -519,15 +532,16 @@ def swap_candidate(m: int, n: int, k: int, props: DeviceProperties, tuning: Gemm
         widths = {-(-m // (q * c)) * q for q in (8, 16, 32) for c in range(1, -(-m // t.swap_min_bn) + 1)}
         for bn in sorted(w for w in widths if t.swap_min_bn <= w <= 256):
             tiles = -(-n // bm) * -(-m // bn)
-            for mcast in swap_multicasts(m, n, bm, bn, props, t):
+            for mcast in swap_multicasts(m, n, bm, bn, props, t, misaligned):
                 if _bn_fits(bm, bn, 1, t) and max_stages(bm, bn, 2, budget) >= 2:
-                    est = busy_time_us(-(-tiles // props.sm_count), tiles, k, bm, bn, mcast, props, t)
+                    est = busy_time_us(-(-tiles // props.sm_count), tiles, k, bm, bn, mcast, props, t, misaligned)
                     cands.append((est, bm, bn, 1, mcast))
                 if not (split and _bn_fits(bm, bn, 2, t) and max_stages(bm, bn, 4, budget) >= t.min_split_stages):
                     continue
                 for sp in range(2, min(t.max_splits, k_blocks // t.min_kblocks_per_split,
                                        props.sm_count // tiles) + 1):
-                    est = max(busy_time_us(1, tiles * sp, -(-k_blocks // sp) * BK, bm, bn, mcast, props, t), dram)
+                    est = max(busy_time_us(1, tiles * sp, -(-k_blocks // sp) * BK, bm, bn, mcast, props, t,
+                                           misaligned), dram)
                     cands.append((est + split_extra_us(m, n, bn, sp, t) + t.split_fixed_us, bm, bn, sp, mcast))
     return min(cands, key=lambda c: (round(c[0], 3), c[3], -c[2], c[1], _SWAP_TIE[c[4]])) if cands else None
 
@@ -577,7 +591,7 @@ def unsplit_wave(m: int, n: int, k: int, b_kn: bool, props: DeviceProperties,
 
 def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, bm: int, bn: int, splits: int,
                 accumulate: bool = False, b_kn: bool = False, tuning: GemmTuning = TUNING,
-                swap_ab: bool = False, mcast: int | None = None) -> GemmConfig:
+                swap_ab: bool = False, mcast: int | None = None, misaligned: bool = False) -> GemmConfig:
     """The full config of a BM x BN tile with `splits` K slices: stages fill the budget, pairs (or `mcast`), tile
     order. M, N: the kernel's (`swap_ab`: D's N and M)."""
     epi = 4 if (splits > 1 or accumulate) else out_bytes
@@ -588,7 +602,7 @@ def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
         elif quad_split(m, n, bm, bn, splits, b_kn, props, tuning):
             mcast = sm90.MCAST_SHARE_B4
         else:
-            mcast = sm90.pick_multicast(m, n, bm, bn, splits, b_kn, props, tuning)
+            mcast = sm90.pick_multicast(m, n, bm, bn, splits, b_kn, props, tuning, misaligned=misaligned)
     return GemmConfig(bm, bn, stages, splits, smem_bytes(bm, bn, stages, epi, b_kn), mcast,
                       sm90.group_rows(m, n, bm, bn, mcast, props), sm90.streams_b(m, k, 2, tuning) and not b_kn,
                       tuning.pdl and tuning.warm_l2, swap_ab)
@@ -625,8 +639,8 @@ BENCH_SHAPES = {
 
 def variants():
     """Every kernel variant the heuristic picks for the benchmark shapes, four 192-row shapes, two whose M and N
-    are not multiples of the tile and one decode shape (bf16 in; bf16 and fp32 out; plain, split-K, deterministic
-    split-K, accumulate into fp32 D)."""
+    are not multiples of the tile, two with misaligned rows and one decode shape (bf16 in; bf16 and fp32 out; plain,
+    split-K, deterministic split-K, accumulate into fp32 D)."""
     from ..runtime.driver import H100
 
     seen = {}
@@ -657,6 +671,9 @@ def variants():
                 seen[tuple(sorted(d.items()))] = ("gemm_decode.cu", "gemm_decode_kernel", d, 0)
     m, n, k = 4096, 4096, 7168  # the accumulate-into-fp32 benchmark
     add(pick_config(m, n, k, 4, H100, accumulate=True), "EPI_ACCUMULATE", dt.float32)
+    # rows off 128-byte boundaries: 192-row tiles in pairs sharing A
+    for m, n, k in ((1678, 3968, 12632), (1976, 6208, 2168)):
+        add(pick_config(m, n, k, 2, H100, misaligned=True), "EPI_STORE", dt.bfloat16)
     # B as [K, N]: plain, and swapped (the kernel's A MN-major: A_MN)
     for m, n, k in ((8192, 8192, 8192), (128, 128, 65536), (300, 8192, 28672), (129, 2112, 7168)):
         cfg = pick_config(m, n, k, 2, H100, b_kn=True)
@@ -740,7 +757,8 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
         launch = get_launcher("gemm_decode.cu", "gemm_decode_kernel", defines, av.device, _DECODE_ARGS,
                               (dc.threads,), 0, pdl=tuning.pdl)
         return _DecodePlan(dc, launch, (-(-n // (8 * dc.g)), 1, 1), cv is not None)
-    cfg = pick_config(m, n, k, dv.dtype.itemsize, props, split_k, accumulate, b_kn, tuning)
+    misaligned = sm90.rows_misaligned(av), sm90.rows_misaligned(bv)
+    cfg = pick_config(m, n, k, dv.dtype.itemsize, props, split_k, accumulate, b_kn, tuning, any(misaligned))
     if accumulate:
         epi = "EPI_ACCUMULATE"
     elif cfg.splits > 1:
@@ -754,6 +772,7 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
                           cluster=(cfg.cluster, 1, 1) if cfg.mcast else None, pdl=tuning.pdl)
     # the kernel's A and B, M and N (swap_ab: D^T = B A^T)
     ka, kb_, km, kn = (bv, av, n, m) if cfg.swap_ab else (av, bv, m, n)
+    ka_misaligned, kb_misaligned = misaligned[::-1] if cfg.swap_ab else misaligned
     if cfg.swap_ab and cfg.mcast == sm90.MCAST_SHARE_B4 and tuning.swap_quads and tuning.force_config is None:
         cl_m, cl_n = sm90.cluster_tiles(km, kn, cfg.bm, cfg.bn, cfg.mcast)
         if cl_m * cl_n * cfg.splits > launch.max_active_clusters():  # a second round of fours: about 2x the time
@@ -764,8 +783,10 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
     cl_m, cl_n = sm90.cluster_tiles(km, kn, cfg.bm, cfg.bn, cfg.mcast)
     share_a, share_b = sm90.sharers(cfg.mcast)
     # a [K, N] B is the kernel's A when swapped (A_MN), else its B (B_KN)
-    map_a, map_a_edge = _operand_maps(ka, k, km, cfg.bm, share_a, cl_n, cfg.splits, b_kn and cfg.swap_ab)
-    map_b, map_b_edge = _operand_maps(kb_, k, kn, cfg.bn, share_b, cl_m, cfg.splits, b_kn and not cfg.swap_ab)
+    map_a, map_a_edge = _operand_maps(ka, k, km, cfg.bm, share_a, cl_n, cfg.splits, b_kn and cfg.swap_ab,
+                                      ka_misaligned)
+    map_b, map_b_edge = _operand_maps(kb_, k, kn, cfg.bn, share_b, cl_m, cfg.splits, b_kn and not cfg.swap_ab,
+                                      kb_misaligned)
     epi_bytes = 4 if epi != "EPI_STORE" else dv.dtype.itemsize
     box_out = (epilogue_chunk(cfg.bn, epi_bytes), 64)
     swz = epilogue_swizzle(cfg.bn, epi_bytes)
@@ -789,11 +810,11 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
 
 
 def _operand_maps(x: DeviceArray, k: int, rows: int, tile_rows: int, sharers: int, readers: int, splits: int,
-                  mn_major: bool) -> tuple:
+                  mn_major: bool, misaligned: bool) -> tuple:
     """The TMA map of one of the kernel's operands (`rows` of M or N by K) and the map for its edge box: K-major,
     boxes of BK x the tile rows a CTA loads, and the box across the last row (`sm90.edge_map`); MN-major ([K, rows]
     memory), boxes of 64 rows x BK loaded panel by panel (no edge map)."""
-    promotion = sm90.l2_promotion(readers, splits)
+    promotion = sm90.l2_promotion(readers, splits, misaligned)
     stride = (x.strides[0] * x.dtype.itemsize,)
     if mn_major:
         panels = MapLayout(x.dtype, (rows, k), stride, (64, BK), 128, promotion)

@@ -88,13 +88,21 @@ def operand_maps(maps: AddressedMapCache, layout: MapLayout, edge_layout: MapLay
     return main, main if edge_layout is layout else maps.get(edge_layout, address)
 
 
-def l2_promotion(readers: int, splits: int) -> int:
+def l2_promotion(readers: int, splits: int, misaligned: bool = False) -> int:
     """TMA L2 promotion (bytes an L2 miss fetches) for an operand map. 256 by default: wide DRAM bursts, and the
     extra 128 bytes are the same rows' next k block. 128 for an operand of a split-K config that several CTAs
     re-read (`readers` tile columns for A, tile rows for B): the whole grid runs at once, bound by L2 traffic, and
     one-row fills cut it (H100: 512x512x65536 69.0 -> 65.7 us, 256x256x32768 22.1 -> 20.9; unsplit shapes lost up
-    to 4%)."""
-    return 128 if splits > 1 and readers > 1 else 256
+    to 4%). 128 for rows that are not 128-byte aligned (`rows_misaligned`: a fill of 256 bytes then mostly fetches
+    lines of other k blocks; H200, 2026-11-29: 64x4096x7176 1.57 -> 1.34x cuBLAS's time, 256x4096x14184 1.42 ->
+    1.20)."""
+    return 128 if misaligned or (splits > 1 and readers > 1) else 256
+
+
+def rows_misaligned(x) -> bool:
+    """Whether a 2-D operand's rows start off 128-byte boundaries (its address or row stride): each 128-byte box
+    row of a TMA load then spans two L2 lines."""
+    return (x.ptr | x.strides[0] * x.dtype.itemsize) % 128 != 0
 
 
 def streams_b(m: int, k: int, in_bytes: int, tuning: Sm90Tuning) -> bool:
@@ -120,12 +128,15 @@ def cluster_tiles(m: int, n: int, bm: int, bn: int, mcast: int) -> tuple[int, in
 
 
 def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, props: DeviceProperties,
-                   tuning: Sm90Tuning, share_b: bool = True) -> int:
+                   tuning: Sm90Tuning, share_b: bool = True, misaligned: bool = False) -> int:
     """Pair tiles in 2-CTA clusters when it adds no wave: along M sharing B (halves the B reads), or along N
     sharing A; the side whose half-tile saves more bytes wins; one wave of unsplit tiles only where the shared tile
-    has few readers (wave_pair_max_rows / _cols). Each half must be whole 8-row swizzle atoms; B as [K, N] (64-column
-    panels) is shared only by 64-row tiles of two or more whole panels (measured at M 65..128, docs/tuning.md),
-    and with `share_b` False not at all. `tuning.force_mcast` pairs on its side wherever that is legal."""
+    has few readers (wave_pair_max_rows / _cols). Where an operand's rows are `misaligned` (not 128-byte aligned:
+    each box row spans two L2 lines, and halving a CTA's rows pays more than the pair's lockstep costs) one wave
+    pairs too, and 192-row tiles that cannot share B share A (halves of 96 rows; where both can, B ran faster).
+    Each half must be whole 8-row swizzle atoms; B as [K, N] (64-column panels) is shared only by 64-row tiles of
+    two or more whole panels (measured at M 65..128, docs/tuning.md), and with `share_b` False not at all.
+    `tuning.force_mcast` pairs on its side wherever that is legal."""
     legal_b = share_b and (bm == 64 and bn % 64 == 0 and bn >= 128 if b_kn else bn % 16 == 0)
     if tuning.force_mcast is not None:  # (192-row halves of 96 rows are legal too)
         f = tuning.force_mcast
@@ -142,9 +153,10 @@ def pick_multicast(m: int, n: int, bm: int, bn: int, splits: int, b_kn: bool, pr
     best, saved = MCAST_NONE, 0
     if legal_b and tiles_m >= 2 and waves(MCAST_SHARE_B) <= waves(MCAST_NONE):
         best, saved = MCAST_SHARE_B, bn
-    if bm % 128 == 0 and tiles_n >= 2 and waves(MCAST_SHARE_A) <= waves(MCAST_NONE) and bm > saved:
+    if ((bm % 128 == 0 and bm > saved or misaligned and bm >= 128 and best == MCAST_NONE)
+            and tiles_n >= 2 and waves(MCAST_SHARE_A) <= waves(MCAST_NONE)):
         best = MCAST_SHARE_A
-    if splits == 1 and tiles_m * tiles_n <= props.sm_count and (  # one wave of unsplit tiles
+    if splits == 1 and tiles_m * tiles_n <= props.sm_count and not misaligned and (  # one wave of unsplit tiles
             (best == MCAST_SHARE_B and tiles_m > tuning.wave_pair_max_rows)
             or (best == MCAST_SHARE_A and tiles_n > tuning.wave_pair_max_cols)):
         return MCAST_NONE
@@ -179,5 +191,5 @@ def group_rows(m: int, n: int, bm: int, bn: int, mcast: int, props: DeviceProper
 
 
 def array_key(x) -> tuple:
-    """What of a DeviceArray decides a plan: shape, strides, dtype, 16-byte alignment, device."""
-    return x.shape, x.strides, x.dtype, x.ptr & 15, x.device
+    """What of a DeviceArray decides a plan: shape, strides, dtype, 128-byte alignment (`rows_misaligned`), device."""
+    return x.shape, x.strides, x.dtype, x.ptr & 127, x.device
