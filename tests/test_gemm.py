@@ -657,8 +657,9 @@ def test_swapped_split_and_fours(rng, shape, tile):
 @pytest.mark.parametrize("shape,offset", [((1801, 1744, 1992), 0), ((512, 4096, 1416), 0), ((300, 1000, 2048), 8),
                                           ((129, 600, 4104), 0)], ids=lambda s: "x".join(map(str, s)) if isinstance(s, tuple) else f"offset{s}")
 def test_misaligned_rows_gpu(rng, shape, offset):
-    """Rows off 128-byte boundaries, K % 64 != 0 or A and B views `offset` columns into wider rows: the plan's maps
-    fill 128 bytes and the picks pair (the 1801-row one in one wave); every element written and right, with C."""
+    """Rows off 128-byte boundaries, K % 64 != 0 or A and B views `offset` columns into wider rows: the plan takes
+    the misaligned pick (1801 rows: one wave of pairs sharing B; 512: 64-row pairs; split-K at 300 and 129 rows)
+    and its maps fill 128 bytes; every element written and right, with C."""
     m, n, k = shape
     a_full, b_full = _rand(rng, (m, k + offset), "bf16"), _rand(rng, (n, k + offset), "bf16")
     da, db = DeviceArray.from_numpy(a_full), DeviceArray.from_numpy(b_full)
@@ -670,7 +671,10 @@ def test_misaligned_rows_gpu(rng, shape, offset):
     ck.gemm(*views, out=out, c=DeviceArray.from_numpy(c))
     (plan,) = PLANS.values("gemm")
     assert plan.map_a.l2_promotion == plan.map_b.l2_promotion == 128
-    assert plan.cfg.mcast != g.MCAST_NONE or plan.cfg.splits > 1
+    assert plan.cfg == g.pick_config(m, n, k, 2, driver.device_properties(0), misaligned=True)
+    if m == 1801:
+        assert (plan.cfg.splits, plan.cfg.mcast) == (1, g.MCAST_SHARE_B)
+        assert g.pick_config(m, n, k, 2, driver.device_properties(0)).mcast == g.MCAST_NONE
     ref = a_full[:, offset:].astype(np.float64) @ b_full[:, offset:].astype(np.float64).T + c.astype(np.float64)
     _check(out.numpy(), ref, "bf16")
 

@@ -399,9 +399,10 @@ def pick_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties,
     N and BN over M; split-K too where the pick is unsplit) take over where `swap_candidate` puts them below
     swap_share of the pick; B as [K, N] the same (the kernel's A is then MN-major). 64-row tiles over a [K, N] B
     are whole 64-column panels (`_whole_panels`; `unsplit_wave` takes any width where no such width makes a wave).
-    `misaligned` (A's or B's rows not 128-byte aligned, `sm90.rows_misaligned`): the same tiles, paired wherever a
-    pair adds no wave (`sm90.pick_multicast`), swapped only in clusters (`swap_multicasts`), the swap priced with
-    64-row tiles' loads at misaligned_row_cost (docs/tuning.md).
+    `misaligned` (A's or B's rows not 128-byte aligned, `sm90.rows_misaligned`): the unswapped tiles chosen as
+    above, paired wherever a pair adds no wave (`sm90.pick_multicast`); swapped tiles only in clusters
+    (`swap_multicasts`), the swap priced with unsplit 64-row tiles' loads at misaligned_row_cost (split picks keep
+    `split_time_us`; docs/tuning.md).
     """
     t = tuning
     if t.force_config is not None:
@@ -478,7 +479,7 @@ def busiest_cta_us(m: int, n: int, k: int, bm: int, bn: int, splits: int, props:
     """Estimated time of an unswapped config for the swap decision. Unsplit ones priced like `swap_candidate`'s: the
     busiest CTA's tiles (`ragged_load` for 128 and 192 rows, else waves of tiles) at `busy_kblock_us`. Split ones
     keep `split_time_us` (the `kb_us` table, below `busy_kblock_us` for wide tiles: a swap must win by more there;
-    the fit had few such shapes)."""
+    the fit had few such shapes; it prices aligned loads even for `misaligned` rows)."""
     if splits > 1:
         return split_time_us(m, n, k, bm, bn, splits, props, tuning)
     tiles = -(-m // bm) * -(-n // bn)
@@ -592,8 +593,9 @@ def unsplit_wave(m: int, n: int, k: int, b_kn: bool, props: DeviceProperties,
 def make_config(m: int, n: int, k: int, out_bytes: int, props: DeviceProperties, bm: int, bn: int, splits: int,
                 accumulate: bool = False, b_kn: bool = False, tuning: GemmTuning = TUNING,
                 swap_ab: bool = False, mcast: int | None = None, misaligned: bool = False) -> GemmConfig:
-    """The full config of a BM x BN tile with `splits` K slices: stages fill the budget, pairs (or `mcast`), tile
-    order. M, N: the kernel's (`swap_ab`: D's N and M)."""
+    """The full config of a BM x BN tile with `splits` K slices: stages fill the budget, pairs (or `mcast`; with
+    `misaligned` rows, `sm90.pick_multicast`'s rule for them), tile order. M, N: the kernel's (`swap_ab`: D's N and
+    M)."""
     epi = 4 if (splits > 1 or accumulate) else out_bytes
     stages = max_stages(bm, bn, epi, props.smem_per_block_optin, b_kn)
     if mcast is None:
