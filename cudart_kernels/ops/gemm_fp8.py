@@ -573,8 +573,10 @@ def _make_plan(layout, av, sav, bv, sbv, dv, sb_strides, m, n, k, groups, alignm
     kb = -(-k // 128)
     a_box = sm90.box_rows(cfg.bm, sm90.sharers(cfg.mcast)[0])
     b_box = sm90.box_rows(cfg.bn, sm90.sharers(cfg.mcast)[1])
-    map_a = MapLayout(dt.float8_e4m3, (k, av.shape[0]), (av.strides[0],), (BK, a_box), 128)
-    map_b = MapLayout(dt.float8_e4m3, (k, bv.shape[0]), (bv.strides[0],), (BK, b_box), 128)
+    map_a = MapLayout(dt.float8_e4m3, (k, av.shape[0]), (av.strides[0],), (BK, a_box), 128,
+                      sm90.l2_promotion(1, 1, sm90.rows_misaligned(av)))
+    map_b = MapLayout(dt.float8_e4m3, (k, bv.shape[0]), (bv.strides[0],), (BK, b_box), 128,
+                      sm90.l2_promotion(1, 1, sm90.rows_misaligned(bv)))
     scratch = []
     sa = _mmajor_plan(sav, av.device, m if layout == MASKED else 0)
     if sa.convert is not None:
