@@ -759,8 +759,8 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
         launch = get_launcher("gemm_decode.cu", "gemm_decode_kernel", defines, av.device, _DECODE_ARGS,
                               (dc.threads,), 0, pdl=tuning.pdl)
         return _DecodePlan(dc, launch, (-(-n // (8 * dc.g)), 1, 1), cv is not None)
-    misaligned = sm90.rows_misaligned(av), sm90.rows_misaligned(bv)
-    cfg = pick_config(m, n, k, dv.dtype.itemsize, props, split_k, accumulate, b_kn, tuning, any(misaligned))
+    misaligned = sm90.rows_misaligned(av) or sm90.rows_misaligned(bv)
+    cfg = pick_config(m, n, k, dv.dtype.itemsize, props, split_k, accumulate, b_kn, tuning, misaligned)
     if accumulate:
         epi = "EPI_ACCUMULATE"
     elif cfg.splits > 1:
@@ -774,7 +774,6 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
                           cluster=(cfg.cluster, 1, 1) if cfg.mcast else None, pdl=tuning.pdl)
     # the kernel's A and B, M and N (swap_ab: D^T = B A^T)
     ka, kb_, km, kn = (bv, av, n, m) if cfg.swap_ab else (av, bv, m, n)
-    ka_misaligned, kb_misaligned = misaligned[::-1] if cfg.swap_ab else misaligned
     if cfg.swap_ab and cfg.mcast == sm90.MCAST_SHARE_B4 and tuning.swap_quads and tuning.force_config is None:
         cl_m, cl_n = sm90.cluster_tiles(km, kn, cfg.bm, cfg.bn, cfg.mcast)
         if cl_m * cl_n * cfg.splits > launch.max_active_clusters():  # a second round of fours: about 2x the time
@@ -785,10 +784,8 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
     cl_m, cl_n = sm90.cluster_tiles(km, kn, cfg.bm, cfg.bn, cfg.mcast)
     share_a, share_b = sm90.sharers(cfg.mcast)
     # a [K, N] B is the kernel's A when swapped (A_MN), else its B (B_KN)
-    map_a, map_a_edge = _operand_maps(ka, k, km, cfg.bm, share_a, cl_n, cfg.splits, b_kn and cfg.swap_ab,
-                                      ka_misaligned)
-    map_b, map_b_edge = _operand_maps(kb_, k, kn, cfg.bn, share_b, cl_m, cfg.splits, b_kn and not cfg.swap_ab,
-                                      kb_misaligned)
+    map_a, map_a_edge = _operand_maps(ka, k, km, cfg.bm, share_a, cl_n, cfg.splits, b_kn and cfg.swap_ab)
+    map_b, map_b_edge = _operand_maps(kb_, k, kn, cfg.bn, share_b, cl_m, cfg.splits, b_kn and not cfg.swap_ab)
     epi_bytes = 4 if epi != "EPI_STORE" else dv.dtype.itemsize
     box_out = (epilogue_chunk(cfg.bn, epi_bytes), 64)
     swz = epilogue_swizzle(cfg.bn, epi_bytes)
@@ -812,11 +809,12 @@ def _plan(av, bv, dv, cv, accumulate, split_k, deterministic, b_kn, tuning: Gemm
 
 
 def _operand_maps(x: DeviceArray, k: int, rows: int, tile_rows: int, sharers: int, readers: int, splits: int,
-                  mn_major: bool, misaligned: bool) -> tuple:
+                  mn_major: bool) -> tuple:
     """The TMA map of one of the kernel's operands (`rows` of M or N by K) and the map for its edge box: K-major,
     boxes of BK x the tile rows a CTA loads, and the box across the last row (`sm90.edge_map`); MN-major ([K, rows]
-    memory), boxes of 64 rows x BK loaded panel by panel (no edge map)."""
-    promotion = sm90.l2_promotion(readers, splits, misaligned)
+    memory), boxes of 64 rows x BK loaded panel by panel (no edge map). L2 promotion per `sm90.l2_promotion`, from
+    the operand's own row alignment."""
+    promotion = sm90.l2_promotion(readers, splits, sm90.rows_misaligned(x))
     stride = (x.strides[0] * x.dtype.itemsize,)
     if mn_major:
         panels = MapLayout(x.dtype, (rows, k), stride, (64, BK), 128, promotion)
