@@ -967,18 +967,20 @@ def bench_gemm_fp8_grouped(quick: bool = False, device: int = 0) -> list[Row]:
         flop = 2 * sum(real) * n * k / 1e12
         case = f"G={groups}, M={rows} ({sum(real)} real rows), N={n}, K={k}"
         dg_run = err = None
+        expected_m = -(-sum(real) // groups)  # (the host hint both take: rows a group typically holds)
         if dg is not None and dg.has("masked"):
-            sa_dg, expected_m = dg_masked_scales(torch, sa3), -(-sum(real) // groups)
+            sa_dg = dg_masked_scales(torch, sa3)
             check = torch.empty(groups, rows, n, device="cuda", dtype=bf16)
             err = _dg_check(torch, f"gemm_fp8_masked {case}",
-                            lambda: gemm_fp8_grouped_masked(a3, sa3, b, sb, masked, d),
+                            lambda: gemm_fp8_grouped_masked(a3, sa3, b, sb, masked, d, expected_m=expected_m),
                             lambda: (dg.masked(a3, sa_dg, b, sb, masked, expected_m, check), check)[1],
                             lambda out: [out[g, :r] for g, r in enumerate(real)])
             check = None
             if err is not None:
                 dg_run = lambda i, s: dg.masked(a3, sa_dg, b, sb, masked, expected_m, d)  # noqa: E731
-        (ours,), dg_us = _times_with_dg(
-            torch, [lambda i, s: gemm_fp8_grouped_masked(a3, sa3, b, sb, masked, d, stream=s)], dg_run, case)
+        (ours,), dg_us = _times_with_dg(torch, [
+            lambda i, s: gemm_fp8_grouped_masked(a3, sa3, b, sb, masked, d, expected_m=expected_m, stream=s)],
+            dg_run, case)
         out_rows.append(_dg_columns(Row("gemm_fp8_masked", case, ours, tflops=flop), dg_us, err,
                                     dg.names.get("masked") if dg is not None else None))
         a = sa = b = sb = d = a3 = sa3 = sa_dg = None

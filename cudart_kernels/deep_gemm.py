@@ -291,8 +291,8 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m, recipe=None, rec
 
     a: ([G, M, K] e4m3, [G, M, ceil(K/128)] fp32), b: ([G, N, K] e4m3, [G, ceil(N/128), ceil(K/128)] fp32),
     d [G, M, N] bf16, masked_m [G] int32 on the GPU (read by the kernel: no host sync). Rows past masked_m[g]
-    are not written. expected_m (a host hint, must be positive) has no effect here. sA in DeepGEMM's per-group
-    layout is copied into one whose groups follow each other (one small copy).
+    are not written. expected_m (a host hint, must be positive: the rows a group typically holds) picks the tiles.
+    sA in DeepGEMM's per-group layout is copied into one whose groups follow each other (one small copy).
     """
     (a, sa), (b, sb) = _pair(a, "a"), _pair(b, "b")
     _block_recipe_only(recipe, recipe_a, recipe_b, "the m-grouped masked GEMM")
@@ -300,7 +300,8 @@ def m_grouped_fp8_gemm_nt_masked(a, b, d, masked_m, expected_m, recipe=None, rec
     _k_major(b, "b")
     if int(expected_m) <= 0:
         raise ValueError(f"expected_m must be positive, got {expected_m}")
-    gemm_fp8_grouped_masked(a, _groups_back_to_back(sa), b, sb, masked_m, out=d, tuning=_settings["fp8"])
+    gemm_fp8_grouped_masked(a, _groups_back_to_back(sa), b, sb, masked_m, out=d, expected_m=int(expected_m),
+                            tuning=_settings["fp8"])
 
 
 def _groups_back_to_back(sa):

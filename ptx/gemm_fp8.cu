@@ -22,7 +22,8 @@
 //   (contiguous_tiles.cu, `tile_list`), a tile row of two groups as two entries, each run against its group's B.
 //   Rows of another group or padding are not written.
 // - LAYOUT_MASKED (MoE decode): A is [G, M, K] seen as [G * M, K], D [G * M, N]; only the first info[g] rows of
-//   group g are computed and written (tiles past them are skipped; info lives on the GPU, no host sync).
+//   group g are computed and written (the scheduler walks only the tiles that hold rows; info lives on the GPU,
+//   no host sync).
 // - LAYOUT_KGROUPED (weight gradient): group g reduces over k in [info[g], info[g + 1]) (multiples of 128) into
 //   its own fp32 D[g] ([G * M, N]), which is added to (TMA reduce-add); both operands have 1x128 scales (sA
 //   [K/128][M] and sB [K/128][N], M-major, loaded with TMA: sB is per column of D, "1D-1D" scaling).

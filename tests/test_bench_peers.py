@@ -293,7 +293,8 @@ class OursStub:
             out[rows] = ad[rows] @ _deq_blocks(b[g], sb[g]).T
         return out
 
-    def gemm_fp8_grouped_masked(self, a, sa, b, sb, masked, out, stream=None):
+    def gemm_fp8_grouped_masked(self, a, sa, b, sb, masked, out, expected_m=None, stream=None):
+        assert expected_m == -(-int(np.asarray(masked).sum()) // len(masked))  # (the hint DeepGEMM gets too)
         self.calls.append("masked")
         for g, r in enumerate(np.asarray(masked)):
             out[g, :r] = _deq_rows(a[g, :r], sa[g, :r]) @ _deq_blocks(b[g], sb[g]).T

@@ -300,6 +300,7 @@ def test_masked_maps_onto_the_masked_op(calls):
     dg.m_grouped_fp8_gemm_nt_masked(a, b, d, masked, 32)
     (name, args, kw), = calls
     assert name == "gemm_fp8_grouped_masked" and args == a + b + (masked,) and kw["out"] is d
+    assert kw["expected_m"] == 32  # (the tile pick's hint)
 
 
 @pytest.mark.parametrize("c_kind", ["none", "separate", "same"])

@@ -194,6 +194,34 @@ def test_config_choices():
     assert f.pick_config(1024, 4096, 7168, H100, f.MASKED, 1).bm == 256
 
 
+@pytest.mark.parametrize("props", [H100, H200], ids=["H100", "H200"])
+def test_masked_pick_follows_expected_m(props):
+    """expected_m counts a group's tiles for that many rows (the last half full), at most M's: groups holding about
+    half of M take 128-row tiles where M alone picks 256 (H200: 0.77-0.81x the time), a few rows 64-row tiles;
+    groups nearly full pick as without the hint (the bench's cases)."""
+    def pick(m, n, k, groups, hint=None):
+        c = f.pick_config(m, n, k, props, f.MASKED, groups, expected_m=hint)
+        return c.bm, c.bn
+    assert pick(256, 4096, 7168, 64)[0] == 256
+    assert pick(256, 4096, 7168, 64, 144)[0] == 128
+    assert pick(256, 28672, 4096, 8, 144)[0] == 128
+    assert pick(256, 4096, 7168, 16, 32)[0] == 64
+    for m, g_, real in ((1024, 1, 975), (512, 2, 486), (256, 4, 236), (64, 16, 56)):
+        for n, k in ((4096, 7168), (7168, 2048)):
+            assert pick(m, n, k, g_, -(-real // 16) * 16) == pick(m, n, k, g_)
+    assert pick(256, 4096, 7168, 4, 10_000) == pick(256, 4096, 7168, 4)  # (a hint above M counts M)
+    # pairs along M only where a group is expected to fill both tiles of the pair
+    assert f.pick_config(256, 2816, 2048, props, f.MASKED, 64, expected_m=160).mcast != g.MCAST_SHARE_B
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+def test_masked_expected_m_is_checked(bad):
+    a, sa = fake((2, 64, 256), "e4m3"), fake((2, 64, 2), "fp32", (128, 1, 128))
+    with pytest.raises(ValueError, match="expected_m"):
+        ck.gemm_fp8_grouped_masked(a, sa, fake((2, 96, 256), "e4m3"), fake((2, 1, 2), "fp32"), fake((2,), "int32"),
+                                   fake((2, 64, 96), "bf16"), expected_m=bad)
+
+
 def _gemm_args(m, n, k, sa_strides=None):
     groups = -(-k // 128)
     sa = fake((m, groups), "fp32", sa_strides or (1, mmajor_stride(m)))
@@ -787,7 +815,22 @@ def test_grouped_contiguous_narrower_than_a_tile(rng, mode):
     assert {p.cfg.bn for p in plans_under(tuning)} == {128}
 
 
-def _run_masked(rng, m, n, k, masked, tuning=None, mmajor=False):
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(64, 64), (128, 128), (256, 128), None], ids=lambda t: "x".join(map(str, t or ["pick"])))
+@pytest.mark.parametrize("mode", [g.MCAST_NONE, g.MCAST_SHARE_B, g.MCAST_SHARE_A])
+def test_grouped_masked_many_uneven_groups(rng, tile, mode):
+    """More groups than a warp (the scheduler counts the live tiles across one) and than its walk loads at a time,
+    filled unevenly, a third of them empty: only tiles with rows are walked, and every counted row is right. Without
+    a tile, the pick for an expected_m of the mean rows."""
+    groups, m, n, k = 70, 300, 136, 384
+    masked = rng.integers(1, m + 1, groups).astype(np.int32)
+    masked[rng.random(groups) < 0.35] = 0
+    masked[[3, 40]] = m + 7, 0
+    hint = None if tile else max(1, int(masked.clip(max=m).mean()))
+    _run_masked(rng, m, n, k, masked, forced(mode, tile), expected_m=hint)
+
+
+def _run_masked(rng, m, n, k, masked, tuning=None, mmajor=False, expected_m=None):
     """A masked GEMM of len(masked) groups of M rows on fresh data: the counted rows right, the others untouched.
     `mmajor`: the scales as the quantizer lays out [G * M, K/128] (M-major over all groups), else row-major."""
     groups, kb = len(masked), -(-k // 128)
@@ -801,7 +844,8 @@ def _run_masked(rng, m, n, k, masked, tuning=None, mmajor=False):
     else:
         sa_dev = DeviceArray.from_numpy(sa)
     ck.gemm_fp8_grouped_masked(DeviceArray.from_numpy(a), sa_dev, DeviceArray.from_numpy(b),
-                               DeviceArray.from_numpy(sb), DeviceArray.from_numpy(masked), out, tuning=tuning)
+                               DeviceArray.from_numpy(sb), DeviceArray.from_numpy(masked), out, tuning=tuning,
+                               expected_m=expected_m)
     got = out.numpy().astype(np.float64)
     for e in range(groups):
         rows = min(int(masked[e]), m)
