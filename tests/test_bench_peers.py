@@ -294,7 +294,7 @@ class OursStub:
         return out
 
     def gemm_fp8_grouped_masked(self, a, sa, b, sb, masked, out, expected_m=None, stream=None):
-        assert expected_m == -(-int(np.asarray(masked).sum()) // len(masked))  # (the hint DeepGEMM gets too)
+        assert expected_m == max(1, -(-int(np.asarray(masked).sum()) // len(masked)))  # (the hint DeepGEMM gets)
         self.calls.append("masked")
         for g, r in enumerate(np.asarray(masked)):
             out[g, :r] = _deq_rows(a[g, :r], sa[g, :r]) @ _deq_blocks(b[g], sb[g]).T
@@ -601,6 +601,42 @@ def test_bench_script_command(scripts):
     assert script.bench_command(["--quick", "--op", "gemm_fp8"], "/out")[4:] == [
         "--json", "/out/bench_fp8_deepgemm.json", "--quick", "--op", "gemm_fp8"]
     importlib.import_module("deepgemm_compat")  # the other user of the helper still imports
+
+
+def test_survey_cases(scripts):
+    survey = importlib.import_module("deepgemm_survey")
+    got = survey.cases(3, 40, 10, 10)
+    assert got == survey.cases(3, 40, 10, 10) and got != survey.cases(4, 40, 10, 10)
+    assert [c["kind"] for c in got] == ["normal"] * 40 + ["contiguous"] * 10 + ["masked"] * 10
+    for c in got:
+        assert c["k"] % 128 == 0 and c["n"] % 64 == 0  # (shapes DeepGEMM takes)
+        if c["kind"] == "normal":
+            assert 1 <= c["m"] <= 6144
+        elif c["kind"] == "contiguous":
+            assert sum(c["rows"]) > 0 and min(c["rows"]) >= 0
+        else:
+            assert all(0 <= r <= c["max_m"] for r in c["masked"]) and c["expected_m"] >= 1
+    assert {c["m"] <= 128 for c in got if c["kind"] == "normal"} == {True, False}
+    assert callable(survey.run_case) and callable(survey.main)
+
+
+def test_survey_runs_each_case_against_deepgemm(scripts, stand_ins, deep_gemm, monkeypatch, tmp_path, capsys):
+    """The survey's cases, small, through the stand-ins: each kind compared and timed against DeepGEMM."""
+    survey = importlib.import_module("deepgemm_survey")
+    for name, value in (("LAYERS", [(256, 384)]), ("EXPERTS", [(128, 256)]), ("M_RANGES", [(1, 150)]),
+                        ("EXPERT_COUNTS", [2, 3]), ("CONTIGUOUS_ROWS", (200, 400)), ("MASKED_M", [64])):
+        monkeypatch.setattr(survey, name, value)
+    torch, ours, timed = stand_ins
+    out = tmp_path / "rows.json"
+    args = types.SimpleNamespace(seed=5, normal=2, contiguous=2, masked=2, json=str(out))
+    assert survey.survey(args) == 0
+    rows = json.loads(out.read_text())
+    assert [r["kind"] for r in rows] == ["normal"] * 2 + ["contiguous"] * 2 + ["masked"] * 2
+    assert all(r["rel_diff"] < 1e-6 and r["ratio"] == pytest.approx(100.0 / 101.0) for r in rows)
+    assert ours.calls.count("gemm_fp8") == 2 * 3  # the check, then the rotated sets (2 here)
+    assert ours.calls.count("masked") == 2 * 2  # the check, then one set
+    assert [c[0] for c in deep_gemm.calls].count("fp8_m_grouped_gemm_nt_masked") == 2 * 2
+    assert "  masked       2 cases  0.990" in capsys.readouterr().out
 
 
 def test_wheel_helper(scripts, tmp_path, monkeypatch):
