@@ -214,7 +214,7 @@ def test_masked_pick_follows_expected_m(props):
     assert f.pick_config(256, 2816, 2048, props, f.MASKED, 64, expected_m=160).mcast != g.MCAST_SHARE_B
 
 
-@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8", np.float32(8), np.int64(0), np.bool_(True)])
 def test_masked_expected_m_is_checked(bad):
     a, sa = fake((2, 64, 256), "e4m3"), fake((2, 64, 2), "fp32", (128, 1, 128))
     with pytest.raises(ValueError, match="expected_m"):

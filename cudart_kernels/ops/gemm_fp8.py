@@ -6,6 +6,7 @@ accumulated into an fp32 D. One kernel, ptx/gemm_fp8.cu, compiled per layout."""
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field, replace
 
 from ..runtime import dtypes as dt
@@ -780,9 +781,15 @@ def gemm_fp8_grouped_masked(a, sa, b, sb, masked_m, out=None, *, expected_m: int
     tiles waste less (H200, 8 to 64 groups at M 256..512 holding about half of M: 0.73-0.90x the time). It
     changes no result; None (the default) picks for M rows.
     """
-    if expected_m is not None and (not isinstance(expected_m, int) or isinstance(expected_m, bool) or expected_m < 1):
-        raise ValueError(f"expected_m must be a positive int (rows a group typically holds), got {expected_m!r}")
-    hint = None if expected_m is None else -(-expected_m // 16) * 16  # (plans per 16 rows of the hint)
+    hint = None
+    if expected_m is not None:
+        try:
+            hint = operator.index(expected_m)  # (an int or a numpy integer, not a float or a bool)
+        except TypeError:
+            hint = 0
+        if hint < 1 or isinstance(expected_m, bool):
+            raise ValueError(f"expected_m must be a positive int (rows a group typically holds), got {expected_m!r}")
+        hint = -(-hint // 16) * 16  # (plans per 16 rows of the hint)
     av, sav, bv, sbv, iv, dv, h, native = call_arrays((a, sa, b, sb, masked_m, out), stream)
     key = _key(MASKED, tuning, av, sav, bv, sbv, iv, dv) + (hint,)
     plan = PLANS.get(key) if dv is not None else None
