@@ -61,10 +61,11 @@ def run_case(torch, B, dg, case) -> tuple:
     from cudart_kernels.ops.quantize import quantize_fp8_per_block, quantize_fp8_per_token
 
     bf16, n, k, kind = torch.bfloat16, case["n"], case["k"], case["kind"]
-    sets = 1
+    sets, iters = 1, 20
     if kind == "normal":
         m = case["m"]
         sets = B.sets_beyond_l2(m * k + n * k + 2 * m * n, cap=16)
+        iters = max(3, min(50, int(2e5 // max(1.0, 2 * m * n * k / 1400e6))))  # (as the bench: ~0.2 s a graph)
         ops = []
         for _ in range(sets):
             qa, sa = quantize_fp8_per_token(torch.randn(m, k, device="cuda", dtype=bf16))
@@ -107,7 +108,7 @@ def run_case(torch, B, dg, case) -> tuple:
     err = B._dg_check(torch, B._dg_label(case), ours, theirs, valid or (lambda out: [out]))
     if err is None:
         return None
-    us, dg_us = B.graph_times_us(torch, runs, sets)
+    us, dg_us = B.graph_times_us(torch, runs, sets, iters=iters)
     return us, dg_us, err
 
 
