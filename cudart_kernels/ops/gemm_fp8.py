@@ -272,7 +272,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     there), none along N for the normal GEMM's 256 x 128 tiles on a part with more than pair_a_max_sm_stream of
     copy rate per SM, and contiguous tiles pair along N only (two tiles along M may belong to two experts).
     Unsplit 128-row tiles of up to 128 columns and a single row of 64-row tiles of scales_at_issue_bn columns load
-    their scales at the wgmma issue (SCALES_AT_ISSUE) from K = scales_at_issue_min_k."""
+    their scales at the wgmma issue (SCALES_AT_ISSUE) from K = scales_at_issue_min_k. Masked, `expected_m` (the rows
+    a group is expected to hold, at most M) replaces M in all of this, a group counting rows / BM + 0.5 tiles (at
+    least one, at most M's)."""
     t = tuning
     # (masked: the rows a group is expected to hold, which the tiles are counted for; at most M)
     rows = min(m, max(1, expected_m)) if layout == MASKED and expected_m is not None else m
@@ -304,7 +306,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         if splits > 1 and (bm > 128 or splits > 8 or layout != NORMAL):
             raise ValueError(f"force_splits {splits}: split-K takes tiles of at most 128 rows, 2..8 slices, "
                              "the normal layout")
-        tiles_m = -(-(groups * -(-m // bm) * bm if per_group else m) // bm)
+        m_all = tile_rows_of_groups(bm) * bm if per_group else m
+        tiles_m = -(-m_all // bm)
     elif bm == 128 and tiles_m >= 2 and n > 128:
         widths = dict(t.bn_cost_wgrad) if layout == KGROUPED else {*dict(t.bn_cost), *(b for (a, b), _ in t.tile_us
                                                                                           if a == 128)}
@@ -328,6 +331,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
                 est /= t.wgrad_tall_gain
             return est, -tbn, tbm
         bm, bn = min(cands, key=cost)
+        m_all = tile_rows_of_groups(bm) * bm if per_group else m
         tiles_m = -(-m_all // bm)
         # Tiles that leave half the SMs idle (small N at a few rows of tiles): a 2-way split fills them (H100, 69
         # shapes at M 136..1000, all faster: 192x1536x7168 18.1 -> 12.1 us, 512x256x16384 37.5 -> 17.4; where the
@@ -432,14 +436,18 @@ def _bench_configs(props):
 def variants():
     """Every kernel variant the heuristic picks for the benchmark shapes on an H100 and an H200, for two M that are
     not multiples of the tile (the edge maps' shapes; their picks differ from the bench's), for a 128-row tile
-    that loads its scales at the wgmma issue (no benchmark shape picks one), and for the weight gradient's 128 x
-    192 and 128 x 256 tiles (short K a group: the benchmark's take 192 x 128)."""
+    that loads its scales at the wgmma issue (no benchmark shape picks one), for the weight gradient's 128 x
+    192 and 128 x 256 tiles (short K a group: the benchmark's take 192 x 128), and for masked tiles picked for an
+    expected_m."""
     from ..runtime.driver import H100, H200
 
     seen = {}
     ragged = [pick_config(m, 4096, 7168, H100) for m in (160, 1000)] + [pick_config(250, 5120, 7168, H100)]
     ragged += [pick_config(7168, 2048, 16 * 1024, H100, KGROUPED, 16),
                pick_config(2048, 2048, 4 * 1024, H100, KGROUPED, 4)]
+    # masked, tiles picked for expected_m (real MoE experts, groups about half full)
+    ragged += [pick_config(m, n, k, H200, MASKED, g, expected_m=e) for m, n, k, g, e in (
+        (256, 4096, 7168, 64, 144), (512, 5760, 2816, 32, 288), (512, 3072, 4096, 4, 336), (128, 28672, 4096, 8, 48))]
     for cfg in list(_bench_configs(H100)) + list(_bench_configs(H200)) + ragged:
         d = _defines(cfg)
         seen[tuple(sorted(d.items()))] = ("gemm_fp8.cu", "gemm_fp8_kernel", d, cfg.smem)

@@ -51,7 +51,7 @@ struct GemmTile {
   int kb0, kb1;      // k blocks [kb0, kb1)
   int split;         // split-K slice (units of `splits` slices)
   int rows;          // rows of the group that may be written: the tile's rows from m0 below `rows`
-  bool skip;         // nothing to compute (padding, masked out, empty k range)
+  bool skip;         // nothing to compute (padding, empty k range; masked: the walk holds live tiles only)
   bool whole;        // every row of the tile may be written (else each row is checked: row_writable)
 };
 
@@ -95,13 +95,13 @@ struct GemmScheduler : PersistentUnits {
     return cl_tiles((min(max(rows, 0), M_) + TILE_M - 1) / TILE_M, CTAS_M);
   }
   // Units of the walk: masked, the live cluster tiles of all groups, summed across the warp (the scheduler is
-  // built by whole warps; info is read after pdl_wait: the kernel before may write it).
+  // built by whole warps right after pdl_wait; the kernel before may write info: ld_produced).
   __device__ __forceinline__ static int unit_count(int M_, int N_, int splits_, int groups_, const int* info_,
                                                    const int* list_) {
     const int cl_n = cl_tiles((N_ + TILE_N - 1) / TILE_N, CTAS_N);
     if constexpr (ORDER == LAYOUT_MASKED) {
       int rows = 0;
-      for (int g = threadIdx.x % 32; g < groups_; g += 32) rows += live_cl_rows(__ldg(info_ + g), M_);
+      for (int g = threadIdx.x % 32; g < groups_; g += 32) rows += live_cl_rows(ld_produced(info_ + g), M_);
       return __reduce_add_sync(0xffffffffu, rows) * cl_n;
     }
     return cl_tiles(unit_rows(M_, list_), CTAS_M) * cl_n * (PER_GROUP ? groups_ : splits_);
