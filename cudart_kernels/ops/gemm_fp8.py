@@ -786,8 +786,8 @@ def gemm_fp8_grouped_masked(a, sa, b, sb, masked_m, out=None, *, expected_m: int
 
     expected_m: a host hint, the rows a group typically holds (DeepGEMM's expected_m; the mean of masked_m, say).
     The tiles are picked for that many rows a group instead of M: where groups hold far fewer rows than M, shorter
-    tiles waste less (H200, 8 to 64 groups at M 256..512 holding about half of M: 0.73-0.90x the time). It
-    changes no result; None (the default) picks for M rows.
+    tiles waste less (H200, 18 real MoE decode cases whose pick it changes: 0.905x the time geomean, 0.79-1.14x).
+    It changes no result; None (the default) picks for M rows.
     """
     hint = None
     if expected_m is not None:
