@@ -825,6 +825,22 @@ def _fp8_activations(torch, rows: int, k: int):
     return torch.from_dlpack(q), torch.from_dlpack(s)
 
 
+def uneven_contiguous(torch, counts, n: int, k: int, align: int):
+    """Contiguous-layout inputs for groups of `counts` rows, each segment padded with -1 rows (zero in A) to a
+    multiple of `align`: (a, sa, b, sb, m_indices, the segments' first rows), quantized by our ops."""
+    from .ops.quantize import quantize_fp8_per_token
+
+    id_list, starts = _contiguous_ids(counts, align)
+    m = len(id_list)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for start, r, end in zip(starts, counts, starts[1:] + [m]):
+        x[start + r:end] = 0
+    qa, qsa = quantize_fp8_per_token(x)
+    b, sb = _fp8_weights(torch, len(counts), n, k)
+    return (torch.from_dlpack(qa), torch.from_dlpack(qsa), b, sb,
+            torch.tensor(id_list, device="cuda", dtype=torch.int32), starts)
+
+
 def _fp8_weights(torch, groups: int, n: int, k: int):
     """Random [groups, n, k] weights quantized per 128x128 block (n % 128 == 0: no block spans two groups)."""
     from .ops.quantize import quantize_fp8_per_block
@@ -861,7 +877,6 @@ def bench_gemm_fp8_grouped(quick: bool = False, device: int = 0) -> list[Row]:
     the same alternating rounds, and on contiguous groups of uneven sizes (CONTIGUOUS_UNEVEN; no torch peer)."""
     from .ops.gemm_fp8 import (BENCH_SHAPES, gemm_fp8_grouped_contiguous, gemm_fp8_grouped_masked,
                                gemm_fp8_wgrad)
-    from .ops.quantize import quantize_fp8_per_token
 
     torch = torch_or_none()
     if torch is None:
@@ -931,15 +946,8 @@ def bench_gemm_fp8_grouped(quick: bool = False, device: int = 0) -> list[Row]:
     for counts, n, k in uneven:
         # Uneven groups, each segment padded with -1 rows (zero in A) to DeepGEMM's alignment (ours: 128 rows).
         groups = len(counts)
-        id_list, starts = _contiguous_ids(counts, m_align)
-        m = len(id_list)
-        x = torch.randn(m, k, device="cuda", dtype=bf16)
-        for start, r, end in zip(starts, counts, starts[1:] + [m]):
-            x[start + r:end] = 0
-        qa, qsa = quantize_fp8_per_token(x)
-        a, sa = torch.from_dlpack(qa), torch.from_dlpack(qsa)
-        b, sb = _fp8_weights(torch, groups, n, k)
-        ids = torch.tensor(id_list, device="cuda", dtype=torch.int32)
+        a, sa, b, sb, ids, starts = uneven_contiguous(torch, counts, n, k, m_align)
+        m = a.shape[0]
         d = torch.empty(m, n, device="cuda", dtype=bf16)
         case = f"{groups} groups of [{', '.join(map(str, counts))}] rows (segments padded to {m_align}), N={n}, K={k}"
         dg_run = err = None
@@ -957,7 +965,7 @@ def bench_gemm_fp8_grouped(quick: bool = False, device: int = 0) -> list[Row]:
         out_rows.append(_dg_columns(Row("gemm_fp8_contiguous", f"{case}, alignment=128", ours,
                                         tflops=2 * sum(counts) * n * k / 1e12), dg_us, err,
                                     dg.names.get("contiguous") if dg is not None else None))
-        a = sa = b = sb = d = x = qa = qsa = None
+        a = sa = b = sb = d = None
     for groups, rows, n, k, real in masked_cases:
         a, sa = _fp8_activations(torch, groups * rows, k)
         b, sb = _fp8_weights(torch, groups, n, k)

@@ -40,21 +40,9 @@ def bench_command(args: list, out: str) -> list:
 
 
 def main() -> int:
-    problem = dge.install()
-    if problem:
-        print(problem)
-        return 2
     out = os.environ.get("OUT") or "/tmp"
     os.makedirs(out, exist_ok=True)
-    env = dict(dge.environment(), CK_REQUIRE_DEEPGEMM="1")
-    kernels = dge.restore_cache(env)
-    if kernels:
-        print(f"DeepGEMM JIT cache: {kernels} kernels restored from {dge.SAVED_CACHE}")
-    rc = dge.run_logged(bench_command(sys.argv[1:], out), env, os.path.join(out, "bench_fp8_deepgemm.log"))
-    saved = dge.save_cache(env, out)
-    if saved:
-        print(f"DeepGEMM JIT cache saved to {saved}")
-    return rc
+    return dge.run_with_deepgemm(bench_command(sys.argv[1:], out), out, "bench_fp8_deepgemm.log")
 
 
 if __name__ == "__main__":

@@ -21,18 +21,9 @@ import deepgemm_env as dge
 
 
 def main() -> int:
-    problem = dge.install()
-    if problem:
-        print(problem)
-        return 2
-    env = dict(dge.environment(), CK_REQUIRE_DEEPGEMM="1")
-    dge.restore_cache(env)
-    out = os.environ.get("OUT")
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_deep_gemm.py", "tests/test_deep_gemm_gpu.py",
            *sys.argv[1:]]
-    rc = dge.run_logged(cmd, env, os.path.join(out, "deepgemm_compat.log") if out else None)
-    dge.save_cache(env, out)
-    return rc
+    return dge.run_with_deepgemm(cmd, os.environ.get("OUT"), "deepgemm_compat.log")
 
 
 if __name__ == "__main__":

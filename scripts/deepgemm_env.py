@@ -86,3 +86,22 @@ def run_logged(cmd: list, env: dict, log: str | None) -> int:
         with open(log, "w") as f:
             f.writelines(lines)
     return proc.returncode
+
+
+def run_with_deepgemm(cmd: list, out: str | None, log_name: str) -> int:
+    """Install the wheels, then run `cmd` from the repo root with DeepGEMM importable and CK_REQUIRE_DEEPGEMM=1, its
+    JIT cache restored first (.dg/dg_jit_cache.tgz) and saved to `out` after, its output also in out/log_name;
+    the child's exit status (2: the wheels could not be installed)."""
+    problem = install()
+    if problem:
+        print(problem)
+        return 2
+    env = dict(environment(), CK_REQUIRE_DEEPGEMM="1")
+    kernels = restore_cache(env)
+    if kernels:
+        print(f"DeepGEMM JIT cache: {kernels} kernels restored from {SAVED_CACHE}")
+    rc = run_logged(cmd, env, os.path.join(out, log_name) if out else None)
+    saved = save_cache(env, out)
+    if saved:
+        print(f"DeepGEMM JIT cache saved to {saved}")
+    return rc

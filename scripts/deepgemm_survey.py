@@ -77,15 +77,8 @@ def run_case(torch, B, dg, case) -> tuple:
         runs = [lambda i, s: gemm_fp8(*ops[i], d[i], stream=s), lambda i, s: dg.gemm(*ops[i], d[i])]
     elif kind == "contiguous":
         counts = case["rows"]
-        ids, starts = B._contiguous_ids(counts, dg.m_align)
-        m = len(ids)
-        x = torch.randn(m, k, device="cuda", dtype=bf16)
-        for start, r, end in zip(starts, counts, starts[1:] + [m]):
-            x[start + r:end] = 0
-        qa, qsa = quantize_fp8_per_token(x)
-        a, sa = torch.from_dlpack(qa), torch.from_dlpack(qsa)
-        b, sb = B._fp8_weights(torch, len(counts), n, k)
-        ids = torch.tensor(ids, device="cuda", dtype=torch.int32)
+        a, sa, b, sb, ids, starts = B.uneven_contiguous(torch, counts, n, k, dg.m_align)
+        m = a.shape[0]
         d, check = (torch.empty(m, n, device="cuda", dtype=bf16) for _ in range(2))
         ours = lambda: gemm_fp8_grouped_contiguous(a, sa, b, sb, ids, d, alignment=dg.m_align)  # noqa: E731
         theirs = lambda: (dg.contiguous(a, sa, b, sb, ids, check), check)[1]  # noqa: E731
@@ -152,17 +145,8 @@ def main() -> int:
     args = ap.parse_args()
     if os.environ.get("CK_REQUIRE_DEEPGEMM") == "1":  # (the child: DeepGEMM installed and on the path)
         return survey(args)
-    problem = dge.install()
-    if problem:
-        print(problem)
-        return 2
-    env = dict(dge.environment(), CK_REQUIRE_DEEPGEMM="1")
-    dge.restore_cache(env)
-    out = os.environ.get("OUT")
-    rc = dge.run_logged([sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env,
-                        os.path.join(out, "deepgemm_survey.log") if out else None)
-    dge.save_cache(env, out)
-    return rc
+    return dge.run_with_deepgemm([sys.executable, os.path.abspath(__file__), *sys.argv[1:]], os.environ.get("OUT"),
+                                 "deepgemm_survey.log")
 
 
 if __name__ == "__main__":
