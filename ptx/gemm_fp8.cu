@@ -569,9 +569,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
           const int ab_rows = rows_in_bounds(t.a_row, BM, t.a_end) + rows_in_bounds(t.b_row, BN, t.b_end);
           u64* bar = ring.acquire(st, ab_rows * 128 + SA_STAGE + SB_BYTES);
           tma_load_rows<a_sharers(MCAST)>(smem + st.stage * A_STAGE, &tm_a, &tm_a_edge, bar, kb * BK, t.a_row, BM,
-                                          t.a_end, rank);
+                                          t.a_end, rank, t.shared);
           tma_load_rows<b_sharers(MCAST), STREAM_B>(smem + SMEM_B + st.stage * B_STAGE, &tm_b, &tm_b_edge, bar,
-                                                    kb * BK, t.b_row, BN, t.b_end, rank);
+                                                    kb * BK, t.b_row, BN, t.b_end, rank, t.shared);
           tma_load_2d(smem + SMEM_SA + st.stage * SA_STAGE, &tm_sa, bar, sa_row, kb);
           if (WGRAD) tma_load_2d(smem + SMEM_SB + st.stage * SB_STAGE, &tm_sb, bar, t.n0, kb);
           st.advance();

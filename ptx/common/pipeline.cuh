@@ -155,10 +155,19 @@ __device__ __forceinline__ const CUtensorMap_st* row_box(const CUtensorMap_st* m
   return first + box <= row_end ? map : edge;
 }
 
+// Not `shared` (a cluster whose CTAs have tiles of their own for once): this CTA loads every box of its tile.
 template <int SHARERS, bool EVICT_FIRST = false>
 __device__ __forceinline__ void tma_load_rows(u8* dst, const CUtensorMap_st* map, const CUtensorMap_st* edge,
-                                              u64* bar, int k0, int row0, int rows, int row_end, u32 rank) {
+                                              u64* bar, int k0, int row0, int rows, int row_end, u32 rank,
+                                              bool shared = true) {
   int first;
+  if (SHARERS > 1 && !shared) {
+    for (u32 part = 0; part < SHARERS; ++part) {
+      const CUtensorMap_st* m = row_box<SHARERS>(map, edge, row0, rows, row_end, part, first);
+      if (m) tma_load_2d<EVICT_FIRST>(dst + (first - row0) * 128, m, bar, k0, first);
+    }
+    return;
+  }
   const CUtensorMap_st* m = row_box<SHARERS>(map, edge, row0, rows, row_end, rank, first);
   if (!m) return;
   if constexpr (SHARERS > 1) {

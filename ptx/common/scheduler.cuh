@@ -53,6 +53,7 @@ struct GemmTile {
   int rows;          // rows of the group that may be written: the tile's rows from m0 below `rows`
   bool skip;         // nothing to compute (padding, empty k range; masked: the walk holds live tiles only)
   bool whole;        // every row of the tile may be written (else each row is checked: row_writable)
+  bool shared;       // the cluster shares the tile's operand (else this CTA loads its own tile alone)
 };
 
 // GEMM tiles of TILE_M x TILE_N (k blocks of TILE_K) in grouped order: cluster tiles (two tiles along M or N when
@@ -61,9 +62,11 @@ struct GemmTile {
 // - (cluster tile, split) pairs, split fastest, with `splits` slices of K (split-K through global memory: a unit
 //   then only ever waits on a unit with a smaller index, which a resident CTA has already started);
 // - per group (ORDER LAYOUT_MASKED, LAYOUT_KGROUPED: M counts one group's rows), group slowest. Masked: only the
-//   cluster tiles with rows to compute (group g's first ceil(min(info[g], M) / TILE_M) tile rows, in whole
-//   clusters), so that the CTAs share the live tiles evenly however unevenly the groups are filled (skipping dead
-//   tiles of a static walk left some CTAs with several times the live tiles of others);
+//   tiles with rows to compute (group g's first ceil(min(info[g], M) / TILE_M) tile rows), so that the CTAs share
+//   the live tiles evenly however unevenly the groups are filled (skipping dead tiles of a static walk left some
+//   CTAs with several times the live tiles of others). Clusters along M take a group's tile rows a cluster at a
+//   time, then deal the tiles of the rows left over (fewer than a cluster's) to their CTAs one each, every CTA
+//   loading its own (shared false): a cluster of a live and a dead tile took a live cluster's time;
 // - with CLUSTER_SPLITS > 1, one cluster tile whose CLUSTER_SPLITS CTAs (cluster rank = slice) each take a slice of K;
 // - LISTED (LAYOUT_CONTIGUOUS): rows of tiles are the entries (tile row, group) of `list` (contiguous_tiles.cu), so
 //   a tile row that holds two groups' rows is two rows of units, one per group.
@@ -82,27 +85,31 @@ struct GemmScheduler : PersistentUnits {
   u32 rank;
   const int* info;
   const int2* list;  // LISTED: the entries (after the count)
-  // Masked: the group of the last unit decoded (-1: none yet), its first unit and its cluster-tile rows. A CTA's
-  // units only grow, so tile() walks the groups forward from there, WALK groups' counts loaded at a time (one load
-  // latency for up to WALK groups passed; H200, K-768 cases of 16 to 64 groups against the static walk: a group at
-  // a time 1.10-1.13x the time, eight at a time 1.06-1.09x).
+  // Masked: the group of the last unit decoded (-1: none yet), its first unit, its units and its live tile rows. A
+  // CTA's units only grow, so tile() walks the groups forward from there, WALK groups' counts loaded at a time (one
+  // load latency for up to WALK groups passed; H200, K-768 cases of 16 to 64 groups against the static walk: a
+  // group at a time 1.10-1.13x the time, eight at a time 1.06-1.09x).
   static constexpr int WALK = 8;
-  mutable int cur_g = -1, cur_base = 0, cur_rows = 0;
+  mutable int cur_g = -1, cur_base = 0, cur_units = 0, cur_tiles = 0;
 
   __device__ __forceinline__ static int cl_tiles(int tiles, int ctas) { return (tiles + ctas - 1) / ctas; }
-  // Masked: the cluster-tile rows with rows to compute of a group of `rows` rows (masked_m).
-  __device__ __forceinline__ static int live_cl_rows(int rows, int M_) {
-    return cl_tiles((min(max(rows, 0), M_) + TILE_M - 1) / TILE_M, CTAS_M);
+  // Masked: the tile rows with rows to compute of a group of `rows` rows (masked_m), and their units: whole
+  // clusters of tiles, then the left-over rows' tiles, one a CTA.
+  __device__ __forceinline__ static int live_tiles(int rows, int M_) {
+    return (min(max(rows, 0), M_) + TILE_M - 1) / TILE_M;
   }
-  // Units of the walk: masked, the live cluster tiles of all groups, summed across the warp (the scheduler is
+  __device__ __forceinline__ static int group_units(int tiles, int cl_n) {
+    return tiles / CTAS_M * cl_n + cl_tiles(tiles % CTAS_M * cl_n, CTAS_M);
+  }
+  // Units of the walk: masked, the units of all groups' live tiles, summed across the warp (the scheduler is
   // built by whole warps right after pdl_wait; the kernel before may write info: ld_produced).
   __device__ __forceinline__ static int unit_count(int M_, int N_, int splits_, int groups_, const int* info_,
                                                    const int* list_) {
     const int cl_n = cl_tiles((N_ + TILE_N - 1) / TILE_N, CTAS_N);
     if constexpr (ORDER == LAYOUT_MASKED) {
       int rows = 0;
-      for (int g = threadIdx.x % 32; g < groups_; g += 32) rows += live_cl_rows(ld_produced(info_ + g), M_);
-      return __reduce_add_sync(0xffffffffu, rows) * cl_n;
+      for (int g = threadIdx.x % 32; g < groups_; g += 32) rows += group_units(live_tiles(ld_produced(info_ + g), M_), cl_n);
+      return __reduce_add_sync(0xffffffffu, rows);
     }
     return cl_tiles(unit_rows(M_, list_), CTAS_M) * cl_n * (PER_GROUP ? groups_ : splits_);
   }
@@ -133,39 +140,49 @@ struct GemmScheduler : PersistentUnits {
     GemmTile t;
     int group_cl_rows = cl_tiles_m;  // cluster-tile rows of the unit's group (of the GEMM)
     if constexpr (ORDER == LAYOUT_MASKED) {
-      while (unit >= cur_base + cur_rows * cl_tiles_n && cur_g < groups) {  // (unit < count: one is ahead)
+      while (unit >= cur_base + cur_units && cur_g < groups) {  // (unit < count: one is ahead)
         int rows[WALK];
 #pragma unroll
         for (int i = 0; i < WALK; ++i) rows[i] = cur_g + 1 + i < groups ? __ldg(info + cur_g + 1 + i) : 0;
 #pragma unroll
         for (int i = 0; i < WALK; ++i) {
-          if (unit >= cur_base + cur_rows * cl_tiles_n) {
-            cur_base += cur_rows * cl_tiles_n;
-            cur_rows = live_cl_rows(rows[i], M);
+          if (unit >= cur_base + cur_units) {
+            cur_base += cur_units;
+            cur_tiles = live_tiles(rows[i], M);
+            cur_units = group_units(cur_tiles, cl_tiles_n);
             ++cur_g;
           }
         }
       }
       t.g = cur_g;
       unit -= cur_base;
-      group_cl_rows = cur_rows;
+      group_cl_rows = cur_tiles / CTAS_M;
     } else {
       t.g = PER_GROUP ? unit / per_group : 0;
       if (PER_GROUP) unit %= per_group;
     }
     t.split = unit % splits;
     const int ct = unit / splits;  // cluster tile, in grouped order
-    const int gsize = group_m * cl_tiles_n;
-    const int first = ct / gsize * group_m;
-    const int rows = min(group_m, group_cl_rows - first);
-    const int r = ct % gsize;
-    t.tm = first + r % rows;
-    if constexpr (ROTATE_ROWS) {  // (the column's first unit's wave)
-      t.tm = first + (r % rows + (ct - r % rows) * splits / step) % rows;
+    t.shared = true;
+    if constexpr (ORDER == LAYOUT_MASKED && CTAS_M > 1) t.shared = ct < group_cl_rows * cl_tiles_n;
+    if (!t.shared) {  // masked: one of the left-over rows' tiles (CTAS_N is 1: cl_tiles_n counts tiles)
+      const int i = (ct - group_cl_rows * cl_tiles_n) * CTAS_M + int(rank);
+      const int tiles = cur_tiles % CTAS_M * cl_tiles_n;
+      t.tm = group_cl_rows * CTAS_M + min(i, tiles - 1) / cl_tiles_n;
+      t.tn = i < tiles ? i % cl_tiles_n : cl_tiles_n;  // (past the last: a column past N, stored nowhere)
+    } else {
+      const int gsize = group_m * cl_tiles_n;
+      const int first = ct / gsize * group_m;
+      const int rows = min(group_m, group_cl_rows - first);
+      const int r = ct % gsize;
+      t.tm = first + r % rows;
+      if constexpr (ROTATE_ROWS) {  // (the column's first unit's wave)
+        t.tm = first + (r % rows + (ct - r % rows) * splits / step) % rows;
+      }
+      t.tn = r / rows;
+      if (CTAS_M > 1) t.tm = CTAS_M * t.tm + rank;
+      if (CTAS_N > 1) t.tn = CTAS_N * t.tn + rank;
     }
-    t.tn = r / rows;
-    if (CTAS_M > 1) t.tm = CTAS_M * t.tm + rank;
-    if (CTAS_N > 1) t.tn = CTAS_N * t.tn + rank;
     t.m0 = t.tm * TILE_M;
     t.n0 = t.tn * TILE_N;
     t.a_row = t.d_row = t.m0;
@@ -193,8 +210,7 @@ struct GemmScheduler : PersistentUnits {
       // The tile lies in one segment (its group's rows, then padding): the group's alone when its last row is.
       t.whole = t.m0 + TILE_M <= M && __ldg(info + t.m0 + TILE_M - 1) == t.g;
     } else if constexpr (ORDER == LAYOUT_MASKED) {
-      t.rows = min(max(__ldg(info + t.g), 0), M);  // (the walk has only clusters whose first tile has rows; the
-                                                     // others of a cluster along M load for it)
+      t.rows = min(max(__ldg(info + t.g), 0), M);  // (the walk has live tiles only)
       t.whole = t.m0 + TILE_M <= t.rows;
       t.a_row = t.d_row = t.g * M + t.m0;
       t.b_row = t.g * N + t.n0;
