@@ -370,8 +370,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     stages = min(max_stages(bm, bn, budget, layout), max(k_blocks, t.min_stages))
     if t.force_tile is not None:
         stages = max_stages(bm, bn, budget, layout)
-    # Tiles paired along M share B: they must be of one group (masked, K-grouped: pairs form within a group, so
-    # a group of one row of tiles would pair with an idle spare; contiguous: never).
+    # Tiles paired along M share B: they must be of one group (masked, K-grouped: pairs form within a group, and
+    # masked rows left over run unshared, so groups of one row of tiles would share nothing; contiguous: never).
     share_b = layout == NORMAL or (per_group and group_tiles(bm) >= 2)
     mcast = MCAST_NONE
     if (tiles_m >= 2 or t.force_mcast is not None) and layout != KGROUPED and splits == 1:  # (forced: spare tiles too)

@@ -1,7 +1,8 @@
 // The shared-memory stage ring of a warp-specialised kernel: a producer (one thread issuing TMA loads) fills
 // RING stages, consumer warps read them and hand them back. Each stage has a `full` mbarrier (the producer's
 // arrival plus the TMA bytes) and an `empty` one (one arrival per consumer warp of every CTA whose producer
-// writes into the stage). Producer and consumers each walk the ring with their own PipeState.
+// writes into the stage; in a cluster always every CTA's, also for a tile its CTAs load alone, tma_load_rows'
+// `shared`, so that the counts stay in step). Producer and consumers each walk the ring with their own PipeState.
 #pragma once
 #include "common/sm90.cuh"
 

@@ -74,7 +74,7 @@ struct GemmTile {
 // instead of always getting the same one: the last row of tiles, cheaper where a consumer's rows are all past M
 // (gemm.cu), spreads over the CTAs. A wave's tiles, and so what they share in L2, stay the same.
 // A CTA of a cluster may get a tile past the edge (a tile count not a multiple of the cluster's): it still loads
-// its part of the shared tile for the others.
+// its part of the shared tile for the others (masked, a left-over row's spare: a column past N, nothing shared).
 template <int TILE_M, int TILE_N, int TILE_K, int PAIRING, int ORDER = LAYOUT_NORMAL, int CLUSTER_SPLITS = 1,
           bool LISTED = false, bool ROTATE_ROWS = false>
 struct GemmScheduler : PersistentUnits {
@@ -107,9 +107,11 @@ struct GemmScheduler : PersistentUnits {
                                                    const int* list_) {
     const int cl_n = cl_tiles((N_ + TILE_N - 1) / TILE_N, CTAS_N);
     if constexpr (ORDER == LAYOUT_MASKED) {
-      int rows = 0;
-      for (int g = threadIdx.x % 32; g < groups_; g += 32) rows += group_units(live_tiles(ld_produced(info_ + g), M_), cl_n);
-      return __reduce_add_sync(0xffffffffu, rows);
+      int units = 0;
+      for (int g = threadIdx.x % 32; g < groups_; g += 32) {
+        units += group_units(live_tiles(ld_produced(info_ + g), M_), cl_n);
+      }
+      return __reduce_add_sync(0xffffffffu, units);
     }
     return cl_tiles(unit_rows(M_, list_), CTAS_M) * cl_n * (PER_GROUP ? groups_ : splits_);
   }
@@ -138,7 +140,7 @@ struct GemmScheduler : PersistentUnits {
 
   __device__ __forceinline__ GemmTile tile(int unit) const {
     GemmTile t;
-    int group_cl_rows = cl_tiles_m;  // cluster-tile rows of the unit's group (of the GEMM)
+    int group_cl_rows = cl_tiles_m;  // cluster-tile rows of the unit's group (of the GEMM; masked: whole ones)
     if constexpr (ORDER == LAYOUT_MASKED) {
       while (unit >= cur_base + cur_units && cur_g < groups) {  // (unit < count: one is ahead)
         int rows[WALK];
