@@ -82,12 +82,12 @@ class Fp8Tuning(sm90.Sm90Tuning):
     unsplit_min_bn: int = 32
     split_min_k: int = 4096
     unsplit_max_sm_stream: float = 27e9
-    # The normal GEMM's 256 x 128 tiles and the masked layout's 128-row tiles pair along N (sharing A) only on a
-    # part whose copy rate per SM is at most pair_a_max_sm_stream: the pair's lockstep costs more than the halved A
-    # reads save where DRAM is fast (H200, 32 GB/s an SM: normal 256 x 128 unpaired 0.967-0.994x the paired time on
-    # 14 shapes at M 1024-4096; masked 128 x 128..192 0.980x geomean, 0.90-1.003, on 18 cases of uneven groups;
-    # masked 256 x 128 0.99-1.015x and contiguous 0.996-0.999x, so those stay paired; not measured on the H100,
-    # 22.7 GB/s an SM, whose picks stay paired as measured there).
+    # The normal GEMM's 256 x 128 tiles pair along N (sharing A), and the masked layout's 128-row tiles pair at
+    # all, only on a part whose copy rate per SM is at most pair_a_max_sm_stream: the pair's lockstep costs more
+    # than the halved reads save where DRAM is fast (H200, 32 GB/s an SM: normal 256 x 128 unpaired 0.967-0.994x
+    # the paired time on 14 shapes at M 1024-4096; masked 128-row tiles of uneven groups, along N 0.980x geomean
+    # on 18 cases, along M 0.968x on 20, 0.89-1.002; masked 256 x 128 0.99-1.015x and contiguous 0.996-0.999x, so
+    # those stay paired; not measured on the H100, 22.7 GB/s an SM, whose picks stay paired as measured there).
     pair_a_max_sm_stream: float = 27e9
     # The normal GEMM's unsplit 128-row tiles of up to 128 columns, and one row of 64-row tiles (M <= 64) of
     # scales_at_issue_bn columns, load a k block's scales when its wgmma group is issued (SCALES_AT_ISSUE), from
@@ -270,8 +270,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     where the tiles would leave half the SMs idle (`_split_in_two`). Stages fill the shared-memory budget, up to
     one tile's k blocks (at least min_stages). Pairs and tile order as for the BF16 GEMM, but no pairs with a
     single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
-    there), none along N for the normal GEMM's 256 x 128 tiles or the masked layout's 128-row tiles on a part
-    with more than pair_a_max_sm_stream of copy rate per SM, and contiguous tiles pair along N only (two tiles
+    there), none along N for the normal GEMM's 256 x 128 tiles and none for the masked layout's 128-row tiles on
+    a part with more than pair_a_max_sm_stream of copy rate per SM, and contiguous tiles pair along N only (two tiles
     along M may belong to two experts).
     Unsplit 128-row tiles of up to 128 columns and a single row of 64-row tiles of scales_at_issue_bn columns load
     their scales at the wgmma issue (SCALES_AT_ISSUE) from K = scales_at_issue_min_k. Masked, `expected_m` (the rows
@@ -376,8 +376,8 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     mcast = MCAST_NONE
     if (tiles_m >= 2 or t.force_mcast is not None) and layout != KGROUPED and splits == 1:  # (forced: spare tiles too)
         mcast = sm90.pick_multicast(m_all, n, bm, bn, 1, False, props, t, share_b)
-        if (mcast == MCAST_SHARE_A and (layout, bm) in ((NORMAL, 256), (MASKED, 128)) and t.force_mcast is None
-                and props.stream_bytes_per_s > t.pair_a_max_sm_stream * props.sm_count):
+        if ((mcast == MCAST_SHARE_A and layout == NORMAL and bm == 256 or layout == MASKED and bm == 128)
+                and t.force_mcast is None and props.stream_bytes_per_s > t.pair_a_max_sm_stream * props.sm_count):
             mcast = MCAST_NONE
     group_m = 1 if t.force_splits else sm90.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     stream_b = layout == NORMAL and sm90.streams_b(m, k, 1, t)
