@@ -463,8 +463,9 @@ def test_picks_follow_the_device():
     """The FP8 picks read the SM count and shared memory (their costs are per tile and wave, fitted in same-run
     sweeps), and the copy rate in one place: a row of 64-row tiles narrower than 48 columns that busies the SMs
     splits in two where each SM's share of the copy rate is above unsplit_max_sm_stream, and 256 x 128 tiles pair
-    along N only where it is at most pair_a_max_sm_stream. An H200 (the H100's SMs, 1.4x the bandwidth) gets the
-    H100's benchmark picks but those; a part with fewer SMs gets its own."""
+    along N only where it is at most pair_a_max_sm_stream, masked 128-row tiles pair at all only there. An H200
+    (the H100's SMs, 1.4x the bandwidth) gets the H100's benchmark picks but those; a part with fewer SMs gets its
+    own."""
     h100_pcie = replace(H100, name="NVIDIA H100 PCIe (assumed)", sm_count=114)
     differ = [(a, b) for a, b in zip(f._bench_configs(H100), f._bench_configs(H200)) if a != b]
     unpaired = [(a, b) for a, b in differ if (a.bm, a.mcast, b.mcast) == (256, g.MCAST_SHARE_A, g.MCAST_NONE)]
@@ -482,6 +483,14 @@ def test_picks_follow_the_device():
     h200 = f.pick_config(4096, 7168, 16384, H200)
     assert (h200.bm, h200.mcast) == (256, g.MCAST_NONE)
     assert f.pick_config(1024, 7168, 2048, H200, f.MASKED, 1).mcast == g.MCAST_SHARE_A
+    # masked 128-row tiles of half-full groups: paired at the H100's copy rate (along M, and along N), never at the
+    # H200's; the same tiles either way
+    for m, n, k, groups, hint, mode in ((512, 4096, 14336, 64, 288, g.MCAST_SHARE_B),
+                                        (256, 2816, 2048, 32, 160, g.MCAST_SHARE_A)):
+        h100 = f.pick_config(m, n, k, H100, f.MASKED, groups, expected_m=hint)
+        h200 = f.pick_config(m, n, k, H200, f.MASKED, groups, expected_m=hint)
+        assert (h100.bm, h100.mcast) == (128, mode)
+        assert (h200.bm, h200.bn, h200.mcast) == (128, h100.bn, g.MCAST_NONE)
 
 
 # ---- grouped layouts and the weight gradient: CPU --------------------------------------------------------------
