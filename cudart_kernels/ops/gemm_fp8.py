@@ -376,8 +376,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     mcast = MCAST_NONE
     if (tiles_m >= 2 or t.force_mcast is not None) and layout != KGROUPED and splits == 1:  # (forced: spare tiles too)
         mcast = sm90.pick_multicast(m_all, n, bm, bn, 1, False, props, t, share_b)
-        if ((mcast == MCAST_SHARE_A and layout == NORMAL and bm == 256 or layout == MASKED and bm == 128)
-                and t.force_mcast is None and props.stream_bytes_per_s > t.pair_a_max_sm_stream * props.sm_count):
+        fast_part = props.stream_bytes_per_s > t.pair_a_max_sm_stream * props.sm_count
+        if fast_part and t.force_mcast is None and (
+                (layout, bm, mcast) == (NORMAL, 256, MCAST_SHARE_A) or (layout, bm) == (MASKED, 128)):
             mcast = MCAST_NONE
     group_m = 1 if t.force_splits else sm90.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     stream_b = layout == NORMAL and sm90.streams_b(m, k, 1, t)
