@@ -468,7 +468,8 @@ def test_picks_follow_the_device():
     own."""
     h100_pcie = replace(H100, name="NVIDIA H100 PCIe (assumed)", sm_count=114)
     differ = [(a, b) for a, b in zip(f._bench_configs(H100), f._bench_configs(H200)) if a != b]
-    unpaired = [(a, b) for a, b in differ if (a.bm, a.mcast, b.mcast) == (256, g.MCAST_SHARE_A, g.MCAST_NONE)]
+    unpaired = [(a, b) for a, b in differ if (a.mcast, b.mcast) == (g.MCAST_SHARE_A, g.MCAST_NONE)
+                and (a.bm == 256 or (a.layout, a.bm) == (f.CONTIGUOUS, 128))]
     assert unpaired and all(replace(a, mcast=g.MCAST_NONE, group_m=b.group_m) == b for a, b in unpaired)
     assert [(tile_and_splits(a), tile_and_splits(b)) for a, b in differ if (a, b) not in unpaired] == [
         ((64, 32, 1), (64, 64, 2))]
@@ -491,6 +492,14 @@ def test_picks_follow_the_device():
         h200 = f.pick_config(m, n, k, H200, f.MASKED, groups, expected_m=hint)
         assert (h100.bm, h100.mcast) == (128, mode)
         assert (h200.bm, h200.bn, h200.mcast) == (128, h100.bn, g.MCAST_NONE)
+    # contiguous 128-row tiles pair along N at the H100's copy rate; at the H200's only where the groups average
+    # under contiguous_pair_max_group_rows rows of tiles (128 experts of 132 rows of 128 a pair; of 210, none)
+    for m, groups, h200_mode in ((128 * 132, 128, g.MCAST_SHARE_A), (128 * 210, 128, g.MCAST_NONE),
+                                 (128 * 26, 16, g.MCAST_NONE)):
+        h100 = f.pick_config(m, 4096, 7168, H100, f.CONTIGUOUS, groups, 128)
+        h200 = f.pick_config(m, 4096, 7168, H200, f.CONTIGUOUS, groups, 128)
+        assert (h100.bm, h100.mcast) == (128, g.MCAST_SHARE_A)
+        assert (h200.bm, h200.bn, h200.mcast) == (128, h100.bn, h200_mode)
 
 
 # ---- grouped layouts and the weight gradient: CPU --------------------------------------------------------------

@@ -89,6 +89,10 @@ class Fp8Tuning(sm90.Sm90Tuning):
     # on 18 cases, along M 0.968x on 20, 0.89-1.002; masked 256 x 128 0.99-1.015x and contiguous 0.996-0.999x, so
     # those stay paired; not measured on the H100, 22.7 GB/s an SM, whose picks stay paired as measured there).
     pair_a_max_sm_stream: float = 27e9
+    # Contiguous 128-row tiles (pairs along N, sharing A) unpair on such a part too where the groups average at
+    # least this many rows of tiles: H200, 0.973x geomean on 58 cases (0.92-1.013); where a group is about one row
+    # of tiles the pair's halved A reads pay (1.0-1.14 rows: 0.98-1.08x unpaired, 1.012x geomean on 11 cases).
+    contiguous_pair_max_group_rows: float = 1.25
     # The normal GEMM's unsplit 128-row tiles of up to 128 columns, and one row of 64-row tiles (M <= 64) of
     # scales_at_issue_bn columns, load a k block's scales when its wgmma group is issued (SCALES_AT_ISSUE), from
     # K = scales_at_issue_min_k: H200, 128 x 80..128 0.94-0.98x the time, 64 x 64 0.92-0.97x, 64 x 96 0.97-1.0x;
@@ -271,8 +275,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     one tile's k blocks (at least min_stages). Pairs and tile order as for the BF16 GEMM, but no pairs with a
     single row of tiles (sharing A there saved nothing and cost 3-8%) or for the weight gradient (10% slower
     there), none along N for the normal GEMM's 256 x 128 tiles and none for the masked layout's 128-row tiles on
-    a part with more than pair_a_max_sm_stream of copy rate per SM, and contiguous tiles pair along N only (two tiles
-    along M may belong to two experts).
+    a part with more than pair_a_max_sm_stream of copy rate per SM (nor contiguous 128-row tiles there, unless the
+    groups average fewer than contiguous_pair_max_group_rows rows of tiles), and contiguous tiles pair along N only
+    (two tiles along M may belong to two experts).
     Unsplit 128-row tiles of up to 128 columns and a single row of 64-row tiles of scales_at_issue_bn columns load
     their scales at the wgmma issue (SCALES_AT_ISSUE) from K = scales_at_issue_min_k. Masked, `expected_m` (the rows
     a group is expected to hold, at most M) replaces M in all of this, a group counting rows / BM + 0.5 tiles (at
@@ -377,8 +382,10 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     if (tiles_m >= 2 or t.force_mcast is not None) and layout != KGROUPED and splits == 1:  # (forced: spare tiles too)
         mcast = sm90.pick_multicast(m_all, n, bm, bn, 1, False, props, t, share_b)
         fast_part = props.stream_bytes_per_s > t.pair_a_max_sm_stream * props.sm_count
+        tall_groups = layout == CONTIGUOUS and m >= t.contiguous_pair_max_group_rows * bm * groups
         if fast_part and t.force_mcast is None and (
-                (layout, bm, mcast) == (NORMAL, 256, MCAST_SHARE_A) or (layout, bm) == (MASKED, 128)):
+                (layout, bm, mcast) == (NORMAL, 256, MCAST_SHARE_A) or (layout, bm) == (MASKED, 128)
+                or (bm == 128 and tall_groups)):
             mcast = MCAST_NONE
     group_m = 1 if t.force_splits else sm90.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     stream_b = layout == NORMAL and sm90.streams_b(m, k, 1, t)
