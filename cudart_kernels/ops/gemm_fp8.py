@@ -86,12 +86,13 @@ class Fp8Tuning(sm90.Sm90Tuning):
     # all, only on a part whose copy rate per SM is at most pair_a_max_sm_stream: the pair's lockstep costs more
     # than the halved reads save where DRAM is fast (H200, 32 GB/s an SM: normal 256 x 128 unpaired 0.967-0.994x
     # the paired time on 14 shapes at M 1024-4096; masked 128-row tiles of uneven groups, along N 0.980x geomean
-    # on 18 cases, along M 0.968x on 20, 0.89-1.002; masked 256 x 128 0.99-1.015x and contiguous 0.996-0.999x, so
+    # on 18 cases, along M 0.968x on 20, 0.89-1.002; 256 x 128 masked 0.99-1.015x and contiguous 0.996-0.999x, so
     # those stay paired; not measured on the H100, 22.7 GB/s an SM, whose picks stay paired as measured there).
     pair_a_max_sm_stream: float = 27e9
     # Contiguous 128-row tiles (pairs along N, sharing A) unpair on such a part too where the groups average at
-    # least this many rows of tiles: H200, 0.973x geomean on 58 cases (0.92-1.013); where a group is about one row
-    # of tiles the pair's halved A reads pay (1.0-1.14 rows: 0.98-1.08x unpaired, 1.012x geomean on 11 cases).
+    # least this many rows of tiles: H200, 0.974x geomean on 58 cases at alignment 128 (0.92-1.011), 0.978x on 50
+    # at 64; where a group is about one row of tiles the pair's halved A reads pay (1.0-1.16 rows: 0.98-1.08x
+    # unpaired, 1.012x geomean on 11 cases).
     contiguous_pair_max_group_rows: float = 1.25
     # The normal GEMM's unsplit 128-row tiles of up to 128 columns, and one row of 64-row tiles (M <= 64) of
     # scales_at_issue_bn columns, load a k block's scales when its wgmma group is issued (SCALES_AT_ISSUE), from
