@@ -385,8 +385,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
         fast_part = props.stream_bytes_per_s > t.pair_a_max_sm_stream * props.sm_count
         tall_groups = layout == CONTIGUOUS and m >= t.contiguous_pair_max_group_rows * bm * groups
         if fast_part and t.force_mcast is None and (
-                (layout, bm, mcast) == (NORMAL, 256, MCAST_SHARE_A) or (layout, bm) == (MASKED, 128)
-                or (bm == 128 and tall_groups)):
+                (layout, bm, mcast) == (NORMAL, 256, MCAST_SHARE_A) or bm == 128 and (layout == MASKED or tall_groups)):
             mcast = MCAST_NONE
     group_m = 1 if t.force_splits else sm90.group_rows(m if per_group else m_all, n, bm, bn, mcast, props)
     stream_b = layout == NORMAL and sm90.streams_b(m, k, 1, t)
