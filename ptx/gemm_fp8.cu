@@ -223,6 +223,8 @@ struct ScalesB {
   int next1, next2;  // offsets of its second and third blocks (sB is small: int offsets)
   i64 step;          // one k block
   int first_next;
+  int lane_block;  // offset of the block whose scale this lane loads in next_lane: lanes 1 and 2 the second and
+                   // third, the others the first
 
   ScalesB() = default;
   __device__ __forceinline__ ScalesB(const GemmTile& t, const float* sb, i64 sb_group, i64 sb_row, i64 sb_col,
@@ -234,6 +236,8 @@ struct ScalesB {
     next1 = int((min(t.n0 / 128 + 1, n_blocks - 1) - nb0) * sb_row);
     next2 = int((min(t.n0 / 128 + 2, n_blocks - 1) - nb0) * sb_row);
     step = sb_col;
+    const int lane = threadIdx.x % 32;
+    lane_block = lane == 1 ? next1 : lane == 2 ? next2 : 0;
   }
 
   // This k block's scales of the (up to three) blocks; L1/L2 hits.
@@ -242,6 +246,20 @@ struct ScalesB {
     b1 = SB_BLOCKS > 1 ? __ldg(p + next1) : 0.f;
     b2 = SB_BLOCKS > 2 ? __ldg(p + next2) : 0.f;
     p += step;
+  }
+
+  // The same, one block's scale a lane (one register), for spread() to hand to every lane where they are used.
+  // Loaded by every lane alike, ptxas moves the scales into uniform registers right after the loads, and the warp
+  // waits for them there, before the k block's wgmma (at a tile's start an L2 round trip: H200, contiguous at K
+  // 2048, the consumers' second most sampled stall). All 32 lanes call both.
+  __device__ __forceinline__ float next_lane() {
+    const float v = __ldg(p + lane_block);
+    p += step;
+    return v;
+  }
+  __device__ __forceinline__ static void spread(float v, float (&b)[3]) {
+#pragma unroll
+    for (int i = 0; i < 3; ++i) b[i] = i < SB_BLOCKS ? __shfl_sync(0xffffffffu, v, i) : 0.f;
   }
 };
 
@@ -260,7 +278,7 @@ struct Mainloop {
   float part[2][PART_N / 2];  // scratch accumulators (two sets, or part[0] alone)
   // Scales loaded at a k block's issue: of each set's k block (SCALES_AT_ISSUE), or (PIPE_HALVES) in [0], of the
   // k block whose first half was issued last; and (PIPE_HALVES) sA x sB of the k block being promoted.
-  float issued_sa[2][2], issued_sb[2][3];
+  float issued_sa[2][2], issued_sb[2];  // (issued_sb: ScalesB::next_lane's)
   float half_sc[3][2];
 
   __device__ __forceinline__ Mainloop(const Ring& ring_, const u8* smem_, int c_, int tid, u32 rank_)
@@ -289,7 +307,7 @@ struct Mainloop {
   __device__ __forceinline__ void issue(Pipe& is) {
     constexpr bool LOAD = H ? J == 0 : SCALES_AT_ISSUE;  // this item's k block's scales now
     constexpr int S = H ? 0 : J;                         // into issued_sa / issued_sb[S]
-    if constexpr (LOAD) sb.next(issued_sb[S][0], issued_sb[S][1], issued_sb[S][2]);
+    if constexpr (LOAD) issued_sb[S] = sb.next_lane();
     if constexpr (!H || J == 0) ring.wait(is);
     wgmma_fence();
     qgmma_k_block<false>(part[J], {}, da0 + u64(is.stage * (A_STAGE >> 4)),
@@ -309,10 +327,12 @@ struct Mainloop {
     fence_registers(part[J]);
     if constexpr (H) {
       if constexpr (J == 0) {
+        float scale_b[3];
+        ScalesB::spread(issued_sb[0], scale_b);
 #pragma unroll
         for (int b = 0; b < 3; ++b) {
-          half_sc[b][0] = issued_sa[0][0] * issued_sb[0][b];
-          half_sc[b][1] = issued_sa[0][1] * issued_sb[0][b];
+          half_sc[b][0] = issued_sa[0][0] * scale_b[b];
+          half_sc[b][1] = issued_sa[0][1] * scale_b[b];
         }
       } else {
         __syncwarp();
@@ -323,7 +343,9 @@ struct Mainloop {
     } else {
       float scale_b0, scale_b1, scale_b2, sa0, sa1;
       if constexpr (SCALES_AT_ISSUE) {
-        scale_b0 = issued_sb[J][0], scale_b1 = issued_sb[J][1], scale_b2 = issued_sb[J][2];
+        float scale_b[3];
+        ScalesB::spread(issued_sb[J], scale_b);
+        scale_b0 = scale_b[0], scale_b1 = scale_b[1], scale_b2 = scale_b[2];
         sa0 = issued_sa[J][0], sa1 = issued_sa[J][1];
       } else {
         sb.next(scale_b0, scale_b1, scale_b2);
@@ -558,9 +580,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
     regs_decrease<PRODUCER_REGS>();
     if (tid == 0) {
       Pipe st;
-      for (int unit = sched.first; sched.more(unit); unit = sched.next(unit)) {
-        const GemmTile t = sched.tile(unit);
-        if (t.skip) continue;
+      sched.for_each_tile<false>([&](const GemmTile& t) {
         // (the masked layout's scales: each group's padded to a multiple of 4 rows, 16 bytes, by the host)
         const int sa_row = LAYOUT == LAYOUT_MASKED ? t.g * ((M + 3) & ~3) + t.m0 : t.a_row;
         for (int kb = t.kb0; kb < t.kb1; ++kb) {
@@ -576,7 +596,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
           if (WGRAD) tma_load_2d(smem + SMEM_SB + st.stage * SB_STAGE, &tm_sb, bar, t.n0, kb);
           st.advance();
         }
-      }
+      });
       ring.producer_finish(st);
     }
     if (KSPLIT > 1) split_sync_only();  // the whole warpgroup, together
@@ -590,9 +610,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
   float acc[SUBS][ACC];
   Mainloop ml(ring, smem, c, tid, rank);
   u32 chunk_seq = 0;
-  for (int unit = sched.first; sched.more(unit); unit = sched.next(unit)) {
-    const GemmTile t = sched.tile(unit);
-    if (t.skip) continue;
+  sched.for_each_tile<true>([&](const GemmTile& t) {
     ml.sb = ScalesB(t, sb, sb_group, sb_row, sb_col, N);
 #pragma unroll
     for (int u = 0; u < SUBS; ++u)
@@ -611,6 +629,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_fp8_kernel(
 #else
     store_tile(acc, t, sched, &tm_d, d_smem, chunk_seq, d, ld_d, N, c, tid);
 #endif
-  }
+  });
   epilogue_drain(tid);
 }

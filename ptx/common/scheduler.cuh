@@ -138,7 +138,106 @@ struct GemmScheduler : PersistentUnits {
         info(info_),
         list(LISTED ? reinterpret_cast<const int2*>(list_) + 1 : nullptr) {}
 
+  // What tile() reads from global memory for a unit, two ints at addresses x and y (null: none, read as -1):
+  // contiguous, the group ids of the tile's first and last rows (or its list entry); K-grouped, its group's k
+  // range. Masked tiles come from the walk, which tile() loads as it goes.
+  static constexpr bool PEEKS = ORDER == LAYOUT_CONTIGUOUS || ORDER == LAYOUT_KGROUPED;
+  struct Peeked {
+    int x, y;
+  };
+  __device__ __forceinline__ void peek_at(int unit, const int*& x, const int*& y) const {
+    x = y = nullptr;
+    if constexpr (ORDER == LAYOUT_CONTIGUOUS && LISTED) {
+      x = reinterpret_cast<const int*>(list + place(unit).tm);
+      y = x + 1;
+    } else if constexpr (ORDER == LAYOUT_CONTIGUOUS) {
+      const int m0 = place(unit).m0;
+      x = info + min(m0, M - 1);
+      if (m0 + TILE_M <= M) y = info + m0 + TILE_M - 1;
+    } else if constexpr (ORDER == LAYOUT_KGROUPED) {
+      x = info + place(unit).g;
+      y = x + 1;
+    }
+  }
+  __device__ __forceinline__ static int load_or_none(const int* p) { return p ? __ldg(p) : -1; }
+
   __device__ __forceinline__ GemmTile tile(int unit) const {
+    const int *x, *y;
+    peek_at(unit, x, y);
+    return tile(unit, {load_or_none(x), load_or_none(y)});
+  }
+
+  // `peeked`: the ints at peek_at(unit), loaded earlier.
+  __device__ __forceinline__ GemmTile tile(int unit, Peeked peeked) const {
+    GemmTile t = place(unit);
+    if constexpr (ORDER == LAYOUT_CONTIGUOUS && LISTED) {  // t.tm was an entry of the list
+      t.tm = peeked.x >> 1;
+      t.whole = peeked.x & 1;
+      t.g = peeked.y;
+      t.m0 = t.a_row = t.d_row = t.tm * TILE_M;
+      t.b_row = t.g * N + t.n0;
+      t.b_end = (t.g + 1) * N;
+    } else if constexpr (ORDER == LAYOUT_CONTIGUOUS) {  // each group's rows start at a multiple of TILE_M
+      t.g = peeked.x;
+      t.skip = t.g < 0 || t.g >= groups;  // (-1: padding; an id past the groups alike)
+      t.b_row = max(t.g, 0) * N + t.n0;
+      t.b_end = (max(t.g, 0) + 1) * N;
+      // The tile lies in one segment (its group's rows, then padding): the group's alone when its last row is.
+      t.whole = peeked.y == t.g;
+    } else if constexpr (ORDER == LAYOUT_MASKED) {
+      t.rows = min(max(__ldg(info + t.g), 0), M);  // (the walk has live tiles only)
+      t.whole = t.m0 + TILE_M <= t.rows;
+      t.a_row = t.d_row = t.g * M + t.m0;
+      t.b_row = t.g * N + t.n0;
+      t.a_end = (t.g + 1) * M;
+      t.b_end = (t.g + 1) * N;
+    } else if constexpr (ORDER == LAYOUT_KGROUPED) {
+      t.kb0 = peeked.x / TILE_K;
+      t.kb1 = peeked.y / TILE_K;
+      t.skip = t.kb1 <= t.kb0;
+      t.whole = t.m0 + TILE_M <= M;  // (D's next rows are the next group's)
+      t.d_row = t.g * M + t.m0;
+    }
+    if constexpr (CLUSTER_SPLITS > 1) {  // this CTA's slice of K
+      const int blocks = t.kb1;
+      t.kb0 = int(rank) * blocks / CLUSTER_SPLITS;
+      t.kb1 = (int(rank) + 1) * blocks / CLUSTER_SPLITS;
+    }
+    return t;
+  }
+
+  // f(tile) for each of this CTA's units with work, in order. WARP (called by whole warps): the two ints of each
+  // tile are loaded while the tile before runs, one per lane (lanes 0 and 1: a single register through the main
+  // loop), and shuffled to every lane when the tile starts. Loaded by every lane alike (a warp-uniform address),
+  // ptxas moves them into uniform registers right after the load, so that the warp waits for the load there (H200,
+  // contiguous at K 2048: the consumers' most sampled stall); loaded by each lane apart, they spilled.
+  template <bool WARP, class F>
+  __device__ __forceinline__ void for_each_tile(F&& f) const {
+    if constexpr (!WARP || !PEEKS) {
+      for (int unit = first; more(unit); unit = next(unit)) {
+        const GemmTile t = tile(unit);
+        if (!t.skip) f(t);
+      }
+    } else {
+      const bool second = threadIdx.x % 2;
+      const auto peek = [&](int unit) {
+        const int *x, *y;
+        peek_at(unit, x, y);
+        return load_or_none(second ? y : x);
+      };
+      int peeked = more(first) ? peek(first) : 0;
+      for (int unit = first; more(unit);) {
+        const GemmTile t = tile(unit, {__shfl_sync(~0u, peeked, 0), __shfl_sync(~0u, peeked, 1)});
+        unit = next(unit);
+        if (more(unit)) peeked = peek(unit);
+        if (!t.skip) f(t);
+      }
+    }
+  }
+
+  // The unit's tile in the grid and its operands' rows, before what tile() reads from global memory (masked: the
+  // walk to its group).
+  __device__ __forceinline__ GemmTile place(int unit) const {
     GemmTile t;
     int group_cl_rows = cl_tiles_m;  // cluster-tile rows of the unit's group (of the GEMM; masked: whole ones)
     if constexpr (ORDER == LAYOUT_MASKED) {
@@ -196,40 +295,6 @@ struct GemmScheduler : PersistentUnits {
     t.rows = M;
     t.skip = false;
     t.whole = true;  // (the normal layout's D ends at M, where TMA clips)
-    if constexpr (ORDER == LAYOUT_CONTIGUOUS && LISTED) {  // t.tm was an entry of the list
-      const int2 e = __ldg(list + t.tm);
-      t.tm = e.x >> 1;
-      t.whole = e.x & 1;
-      t.g = e.y;
-      t.m0 = t.a_row = t.d_row = t.tm * TILE_M;
-      t.b_row = t.g * N + t.n0;
-      t.b_end = (t.g + 1) * N;
-    } else if constexpr (ORDER == LAYOUT_CONTIGUOUS) {  // each group's rows start at a multiple of TILE_M
-      t.g = __ldg(info + min(t.m0, M - 1));
-      t.skip = t.g < 0 || t.g >= groups;  // (-1: padding; an id past the groups alike)
-      t.b_row = max(t.g, 0) * N + t.n0;
-      t.b_end = (max(t.g, 0) + 1) * N;
-      // The tile lies in one segment (its group's rows, then padding): the group's alone when its last row is.
-      t.whole = t.m0 + TILE_M <= M && __ldg(info + t.m0 + TILE_M - 1) == t.g;
-    } else if constexpr (ORDER == LAYOUT_MASKED) {
-      t.rows = min(max(__ldg(info + t.g), 0), M);  // (the walk has live tiles only)
-      t.whole = t.m0 + TILE_M <= t.rows;
-      t.a_row = t.d_row = t.g * M + t.m0;
-      t.b_row = t.g * N + t.n0;
-      t.a_end = (t.g + 1) * M;
-      t.b_end = (t.g + 1) * N;
-    } else if constexpr (ORDER == LAYOUT_KGROUPED) {
-      t.kb0 = __ldg(info + t.g) / TILE_K;
-      t.kb1 = __ldg(info + t.g + 1) / TILE_K;
-      t.skip = t.kb1 <= t.kb0;
-      t.whole = t.m0 + TILE_M <= M;  // (D's next rows are the next group's)
-      t.d_row = t.g * M + t.m0;
-    }
-    if constexpr (CLUSTER_SPLITS > 1) {  // this CTA's slice of K
-      const int blocks = t.kb1;
-      t.kb0 = int(rank) * blocks / CLUSTER_SPLITS;
-      t.kb1 = (int(rank) + 1) * blocks / CLUSTER_SPLITS;
-    }
     return t;
   }
 
