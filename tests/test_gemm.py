@@ -949,3 +949,23 @@ def test_pick_ab_script_compiles_without_a_gpu(tmp_path):
                          capture_output=True, text=True, env=env, cwd=repo, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "base: compiled the picks of 0 shapes" in out.stdout and "new: compiled the picks of 0 shapes" in out.stdout
+
+
+def test_held_in_ab_script_sets():
+    """scripts/held_in_ab.py times the benchmark's held-in sets: BF16 large and skinny whole, FP8 normal at M <= 128."""
+    import importlib.util
+    from pathlib import Path
+
+    import cudart_kernels
+    from cudart_kernels.ops import gemm_fp8 as f
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "held_in_ab.py"
+    spec = importlib.util.spec_from_file_location("held_in_ab", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sets = mod.held_in_sets(cudart_kernels)
+    assert [s[1:] for s in sets["BF16 large"]] == list(g.BENCH_SHAPES["large"])
+    assert [s[1:] for s in sets["BF16 skinny"]] == list(g.BENCH_SHAPES["skinny"])
+    fp8 = [s[1:] for s in sets["FP8 M <= 128"]]
+    assert fp8 and all(m <= 128 for m, _, _ in fp8)
+    assert len(fp8) == sum(m <= 128 for m, _, _ in f.BENCH_SHAPES["normal"])
