@@ -566,9 +566,9 @@ def test_warm_l2_normal_layout_with_pdl_only():
 
 
 def test_scales_at_issue_for_128_row_tiles_and_one_row_of_64_and_96_wide_tiles():
-    """SCALES_AT_ISSUE: the normal layout's unsplit 128-row tiles of up to 128 columns and single row of 64 x 64 /
-    64 x 96 tiles (split or not), from scales_at_issue_min_k; not other 64-row widths, two rows of 64-row tiles,
-    256- or 192-row tiles, grouped layouts, or with scales_at_issue_bn empty."""
+    """SCALES_AT_ISSUE: the normal and masked layouts' unsplit 128-row tiles of up to 128 columns and single row of
+    64 x 64 / 64 x 96 tiles (split or not), from scales_at_issue_min_k; not other 64-row widths, two rows of 64-row
+    tiles, 256- or 192-row tiles, the contiguous and K-grouped layouts, or with scales_at_issue_bn empty."""
     for p in (H100, H200):
         for s in ((64, 7168, 16384), (64, 7168, 2048), (16, 12288, 7168), (128, 12288, 7168), (384, 5120, 4096)):
             c = f.pick_config(*s, p)
@@ -578,6 +578,14 @@ def test_scales_at_issue_for_128_row_tiles_and_one_row_of_64_and_96_wide_tiles()
                   (64, 7168, 1024)):
             assert not f.pick_config(*s, p).scales_at_issue, (p.name, s)
         assert not f.pick_config(64, 7168, 2048, p, f.MASKED, 16).scales_at_issue
+        for s, e in (((128, 1536, 2048, p, f.MASKED, 8), 84), ((64, 1536, 2048, p, f.MASKED, 8), 42)):
+            c = f.pick_config(*s, expected_m=e)
+            assert c.scales_at_issue and (c.bm, c.bn) in ((128, 96), (64, 96)), (p.name, s, c)
+            assert not f.pick_config(*s[:3], p, f.MASKED, 8, tuning=f.Fp8Tuning(scales_at_issue_min_k=4096),
+                                     expected_m=e).scales_at_issue
+        assert not f.pick_config(128, 1536, 2048, p, f.MASKED, 8, expected_m=48).scales_at_issue  # (64-row tiles, M 128)
+        for layout in (f.CONTIGUOUS, f.KGROUPED):
+            assert not f.pick_config(1024, 1536, 2048, p, layout, 8).scales_at_issue
         assert not f.pick_config(64, 7168, 16384, p, tuning=f.Fp8Tuning(scales_at_issue_bn=())).scales_at_issue
         assert not f.pick_config(128, 12288, 7168, p, tuning=f.Fp8Tuning(scales_at_issue_min_k=8192)).scales_at_issue
     assert f.pick_config(40, 4000, 4112, H200).scales_at_issue  # a GPU test shape (64 x 64 split in two)
@@ -872,6 +880,23 @@ def _run_masked(rng, m, n, k, masked, tuning=None, mmajor=False, expected_m=None
             ref = _deq_rows(a[e, :rows], sa[e, :rows]) @ _deq_blocks(b[e], sb[e]).T
             assert np.isfinite(got[e, :rows]).all(), f"group {e}: rows not written"
             assert _rel_err(got[e, :rows], ref) <= 5e-3, e
+    return out.numpy().view(np.uint16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(128, 96), (128, 128), (64, 96)], ids=lambda t: "x".join(map(str, t)))
+def test_masked_scales_at_issue_bitwise(tile):
+    """The masked layout's tiles that load their scales at the wgmma issue give the bits of loading them after the
+    wait: uneven and empty groups, N across three of B's scale blocks with a tail, K with a tail."""
+    m = 64 if tile[0] == 64 else 200
+    n, k = 296, 2176
+    masked = np.array([m, 0, m // 3, m + 9, 1], np.int32)
+    bits = []
+    for min_k in (2048, 1 << 30):
+        t = replace(forced(g.MCAST_NONE, tile), scales_at_issue_min_k=min_k)
+        bits.append(_run_masked(np.random.default_rng(7), m, n, k, masked, t))
+        assert {p.cfg.scales_at_issue for p in plans_under(t)} == {min_k == 2048}
+    assert np.array_equal(bits[0], bits[1])
 
 
 @pytest.mark.gpu

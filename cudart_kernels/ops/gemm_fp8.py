@@ -98,7 +98,8 @@ class Fp8Tuning(sm90.Sm90Tuning):
     # scales_at_issue_bn columns, load a k block's scales when its wgmma group is issued (SCALES_AT_ISSUE), from
     # K = scales_at_issue_min_k: H200, 128 x 80..128 0.94-0.98x the time, 64 x 64 0.92-0.97x, 64 x 96 0.97-1.0x;
     # 64 x 48 1.01-1.07x, two rows of 64-row tiles (M 65..128) 1.01-1.06x and K = 512 1.03-1.05x keep the loads
-    # after the wait.
+    # after the wait. The masked layout's alike (M: a group's rows): H200, 128 x 64..128 0.92-0.995x, 64 x 96
+    # 0.96-0.97x; 64 x 48 1.02-1.03x.
     scales_at_issue_bn: tuple = (64, 96)
     scales_at_issue_min_k: int = 2048
     force_tile: tuple | None = None  # tests: (BM, BN) for every GEMM (the heuristic picks the rest)
@@ -280,7 +281,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     groups average fewer than contiguous_pair_max_group_rows rows of tiles), and contiguous tiles pair along N only
     (two tiles along M may belong to two experts).
     Unsplit 128-row tiles of up to 128 columns and a single row of 64-row tiles of scales_at_issue_bn columns load
-    their scales at the wgmma issue (SCALES_AT_ISSUE) from K = scales_at_issue_min_k. Masked, `expected_m` (the rows
+    their scales at the wgmma issue (SCALES_AT_ISSUE) from K = scales_at_issue_min_k (normal and masked layouts). Masked, `expected_m` (the rows
     a group is expected to hold, at most M) replaces M in all of this, a group counting rows / BM + 0.5 tiles (at
     least one, at most M's)."""
     t = tuning
@@ -391,7 +392,7 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     stream_b = layout == NORMAL and sm90.streams_b(m, k, 1, t)
     tile_list = alignment if layout == CONTIGUOUS and alignment % bm else 0
     warm_l2 = layout == NORMAL and t.pdl and t.warm_l2
-    scales_at_issue = layout == NORMAL and k >= t.scales_at_issue_min_k and (
+    scales_at_issue = layout in (NORMAL, MASKED) and k >= t.scales_at_issue_min_k and (
         bm == 128 and bn <= 128 and splits == 1 or bm == 64 and m <= 64 and bn in t.scales_at_issue_bn)
     return Fp8Config(bm, bn, stages, smem_bytes(bm, bn, stages, layout), mcast, group_m, layout, splits, stream_b,
                      tile_list, warm_l2, scales_at_issue)
@@ -446,7 +447,7 @@ def _bench_configs(props):
 def variants():
     """Every kernel variant the heuristic picks for the benchmark shapes on an H100 and an H200, for two M that are
     not multiples of the tile (the edge maps' shapes; their picks differ from the bench's), for a 128-row tile
-    that loads its scales at the wgmma issue (no benchmark shape picks one), for the weight gradient's 128 x
+    and masked tiles that load their scales at the wgmma issue (no benchmark shape picks one), for the weight gradient's 128 x
     192 and 128 x 256 tiles (short K a group: the benchmark's take 192 x 128), and for masked tiles picked for an
     expected_m."""
     from ..runtime.driver import H100, H200
@@ -457,7 +458,8 @@ def variants():
                pick_config(2048, 2048, 4 * 1024, H100, KGROUPED, 4)]
     # masked, tiles picked for expected_m (real MoE experts, groups about half full)
     ragged += [pick_config(m, n, k, H200, MASKED, g, expected_m=e) for m, n, k, g, e in (
-        (256, 4096, 7168, 64, 144), (512, 5760, 2816, 32, 288), (512, 3072, 4096, 4, 336), (128, 28672, 4096, 8, 48))]
+        (256, 4096, 7168, 64, 144), (512, 5760, 2816, 32, 288), (512, 3072, 4096, 4, 336), (128, 28672, 4096, 8, 48),
+        (128, 1536, 2048, 8, 84), (64, 1536, 2048, 8, 42))]  # (the last two load their scales at the issue)
     for cfg in list(_bench_configs(H100)) + list(_bench_configs(H200)) + ragged:
         d = _defines(cfg)
         seen[tuple(sorted(d.items()))] = ("gemm_fp8.cu", "gemm_fp8_kernel", d, cfg.smem)
