@@ -583,7 +583,8 @@ def test_scales_at_issue_for_128_row_tiles_and_one_row_of_64_and_96_wide_tiles()
             assert c.scales_at_issue and (c.bm, c.bn) in ((128, 96), (64, 96)), (p.name, s, c)
             assert not f.pick_config(*s[:3], p, f.MASKED, 8, tuning=f.Fp8Tuning(scales_at_issue_min_k=4096),
                                      expected_m=e).scales_at_issue
-        assert not f.pick_config(128, 1536, 2048, p, f.MASKED, 8, expected_m=48).scales_at_issue  # (64-row tiles, M 128)
+        # (64-row tiles in groups of M 128)
+        assert not f.pick_config(128, 1536, 2048, p, f.MASKED, 8, expected_m=48).scales_at_issue
         for layout in (f.CONTIGUOUS, f.KGROUPED):
             assert not f.pick_config(1024, 1536, 2048, p, layout, 8).scales_at_issue
         assert not f.pick_config(64, 7168, 16384, p, tuning=f.Fp8Tuning(scales_at_issue_bn=())).scales_at_issue

@@ -281,9 +281,9 @@ def pick_config(m: int, n: int, k: int, props: DeviceProperties, layout: str = N
     groups average fewer than contiguous_pair_max_group_rows rows of tiles), and contiguous tiles pair along N only
     (two tiles along M may belong to two experts).
     Unsplit 128-row tiles of up to 128 columns and a single row of 64-row tiles of scales_at_issue_bn columns load
-    their scales at the wgmma issue (SCALES_AT_ISSUE) from K = scales_at_issue_min_k (normal and masked layouts). Masked, `expected_m` (the rows
-    a group is expected to hold, at most M) replaces M in all of this, a group counting rows / BM + 0.5 tiles (at
-    least one, at most M's)."""
+    their scales at the wgmma issue (SCALES_AT_ISSUE) from K = scales_at_issue_min_k (normal and masked layouts).
+    Masked, `expected_m` (the rows a group is expected to hold, at most M) replaces M in all of this, a group
+    counting rows / BM + 0.5 tiles (at least one, at most M's)."""
     t = tuning
     # (masked: the rows a group is expected to hold, which the tiles are counted for; at most M)
     rows = min(m, max(1, expected_m)) if layout == MASKED and expected_m is not None else m
@@ -447,9 +447,9 @@ def _bench_configs(props):
 def variants():
     """Every kernel variant the heuristic picks for the benchmark shapes on an H100 and an H200, for two M that are
     not multiples of the tile (the edge maps' shapes; their picks differ from the bench's), for a 128-row tile
-    and masked tiles that load their scales at the wgmma issue (no benchmark shape picks one), for the weight gradient's 128 x
-    192 and 128 x 256 tiles (short K a group: the benchmark's take 192 x 128), and for masked tiles picked for an
-    expected_m."""
+    and masked tiles that load their scales at the wgmma issue (no benchmark shape picks one), for the weight
+    gradient's 128 x 192 and 128 x 256 tiles (short K a group: the benchmark's take 192 x 128), and for masked
+    tiles picked for an expected_m."""
     from ..runtime.driver import H100, H200
 
     seen = {}
