@@ -278,13 +278,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
     regs_decrease<PRODUCER_REGS>();
     if (tid != 0) return;
     Pipe st;
-    for (int unit = sched.first; sched.more(unit); unit = sched.next(unit)) {
-      const GemmTile t = sched.tile(unit);
+    sched.for_each_tile<false>([&](const GemmTile& t) {
       for (int kb = t.kb0; kb < t.kb1; ++kb) {
         load_k_block(ring, st, smem, &tm_a, &tm_b, &tm_a_edge, &tm_b_edge, kb, t.m0, t.n0, M, N, rank);
         st.advance();
       }
-    }
+    });
     ring.producer_finish(st);
     return;
   }
@@ -302,11 +301,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
   Pipe st;
   u32 chunk_seq = 0;  // every output chunk this consumer issues; picks the buffer
   const u32 empty_bar = ring.release_bar(rank, lane);  // (paired: a cluster mapping, done once here)
-  for (int unit = sched.first; sched.more(unit); unit = sched.next(unit)) {
-    const GemmTile t = sched.tile(unit);
+  sched.for_each_tile<false>([&](const GemmTile& t) {
     const int row0 = t.m0 + c * 64;  // first row of this consumer's slice
     mma_k_blocks(acc, ring, st, smem, t.kb0, t.kb1, c, lane, empty_bar, row0 >= M);
-    if (row0 >= M || t.n0 >= N) continue;  // a slice past the edge (BM rows beyond M, or a cluster's spare tile)
+    if (row0 >= M || t.n0 >= N) return;  // a slice past the edge (BM rows beyond M, or a cluster's spare tile)
     if constexpr (EPI == EPI_STORE && C_KIND != KIND_NONE)
       add_to_fragment<C_KIND, ACC, TRANS_OUT>(acc, c_ptr, ld_c, row0, t.n0, M, N, warp, lane);  // D = acc + C
 
@@ -335,6 +333,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) gemm_kernel(
             }
           });
     }
-  }
+  });
   epilogue_drain(tid);
 }
