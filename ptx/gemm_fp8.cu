@@ -44,12 +44,15 @@
 // blocks a tile (H200).
 //
 // One row block of at most 128 columns per consumer (BM 64 or 128, not the weight gradient): two scratch sets, k
-// block kb + 1 issued before kb is promoted (TwoScratch). Of 144..192 columns: the two sets hold the two column
-// halves of a k block, each half's group issued as soon as its set is promoted (run_two_sets). Each consumer waits
-// for its own wgmma, then promotes; with one set, the 96 FFMAs of a 128 x 192 tile's promotion plus the next issue
-// outlasted the other consumer's group, and the main loop ran at 1.10x the tensor time (clock64 trace, H100).
-// Halves in flight: 4096x2112x7168 0.962x the time, 2048x7168x18432 0.949x, 8 shapes 0.975x (results bitwise the
-// same: each element sees the same FFMAs in the same order).
+// block kb + 1 issued before kb is promoted (TwoScratch). Of 144..192 columns (normal layout, 128 rows: 176..192):
+// the two sets hold the two column halves of a k block, each half's group issued as soon as its set is promoted
+// (run_two_sets). Each consumer waits for its own wgmma, then promotes; with one set, the 96 FFMAs of a 128 x 192
+// tile's promotion plus the next issue outlasted the other consumer's group, and the main loop ran at 1.10x the
+// tensor time (clock64 trace, H100). Halves in flight: 4096x2112x7168 0.962x the time, 2048x7168x18432 0.949x, 8
+// shapes 0.975x (results bitwise the same: each element sees the same FFMAs in the same order). Narrower halves cost
+// more than they hide: each half's wgmma reads the consumer's A rows from shared memory again, so an m64n80 half
+// reads 112 bytes a tensor cycle against 88 for one m64n160 group, next to the TMA writes; the normal layout's
+// 128 x 160 tiles ran 0.94-0.99x the time in one set (H200, 22 shapes), 128 x 144 level.
 //
 // BN > 192 (up to 256, BM 64 or 128): a scratch set of BN columns next to the result would not fit the registers,
 // so each k block runs as two halves of BN / 2 columns through one scratch set of BN / 2, with A's fragments loaded
@@ -107,9 +110,12 @@ constexpr int CONSUMERS = BM == 64 ? 1 : BM == 192 ? 3 : 2;
 constexpr int WG_ROWS = BM / CONSUMERS;  // rows of the tile per consumer warpgroup: 64, or 128 when BM = 256
 constexpr int SUBS = WG_ROWS / 64;       // m64 wgmma row blocks per consumer
 constexpr bool A_IN_REGS = BN > 192;
-// A k block's two column halves in flight through the two scratch sets (above; Mainloop::run_two_sets). Not for the
-// weight gradient: its per-column promotion ran 1.09x slower that way (H100; docs/tuning.md).
-constexpr bool PIPE_HALVES = BM <= 128 && BN > 128 && !A_IN_REGS && LAYOUT != LAYOUT_KGROUPED;
+// A k block's two column halves in flight through the two scratch sets (above; Mainloop::run_two_sets) at 144..192
+// columns, but from 176 for the normal layout's 128-row tiles (its 128 x 160 ran faster in one set, the masked and
+// contiguous layouts' 1% slower: H200). Not for the weight gradient: its per-column promotion ran 1.09x slower that
+// way (H100; docs/tuning.md).
+constexpr bool PIPE_HALVES = BM <= 128 && BN > (BM == 128 && LAYOUT == LAYOUT_NORMAL ? 160 : 128) && !A_IN_REGS &&
+                             LAYOUT != LAYOUT_KGROUPED;
 constexpr int HALVES = A_IN_REGS || PIPE_HALVES ? 2 : 1;  // column halves per k block
 constexpr int PART_N = BN / HALVES;        // columns of one wgmma (the scratch accumulator)
 constexpr int THREADS = 128 * (CONSUMERS + 1);
@@ -166,8 +172,8 @@ static_assert(SB_BLOCKS <= 3, "a tile spans at most three scale blocks of B");
 // The main loop runs whole laps of the ring with the stage a constant (Mainloop::run_one_set) where the loop has at
 // most four copies (one per scale split G: BN a multiple of 32, or within one scale block). H100, 128 x 160: 3.5-5.7%
 // faster than one k block at a time (117 -> 349 KB of cubin). BN with finer splits would take up to eight copies of
-// an unrolled lap (64 x 176: 142 KB of code), and their 144-wide tiles (memory-bound picks) gained nothing. (Since
-// the column halves in flight, run_one_set serves only 192- and 256-row tiles and tiles over 192 columns.) Not for
+// an unrolled lap (64 x 176: 142 KB of code), and their 144-wide tiles (memory-bound picks) gained nothing. (Most
+// tiles of 144..192 columns and up to 128 rows run the column halves in flight instead: PIPE_HALVES.) Not for
 // the weight gradient's three consumers or 256-column tiles: unrolled, their per-column promotion spilled (152 and
 // 232 registers; at 160, with the producer at 24, the three consumers ran no faster: H200).
 constexpr bool LAP_UNROLL = (SB_BLOCKS == 1 || BN_GCD_128 >= 32) && !(WGRAD && (CONSUMERS == 3 || A_IN_REGS));

@@ -940,9 +940,9 @@ def test_wgrad_accumulates(rng, mnks, scales, mode):
                                   (128, 96), (128, 192), (128, 144), (64, 176)], ids=lambda t: f"{t[0]}x{t[1]}")
 def test_tall_and_wide_tiles(rng, mode, tile):
     """BM = 256 (two m64 row blocks per consumer), BN > 192 (two column halves, A from registers; 208 and 240
-    columns cross three scale blocks of B), 144..192 columns (two column halves in flight, one consumer at BM = 64),
-    and widths whose tiles start 32 columns into B's scale blocks (160, 96: the loop instantiated per offset): tails
-    in M, N, K, every layout but contiguous."""
+    columns cross three scale blocks of B), 144..192 columns (two column halves in flight, one consumer at BM = 64;
+    the normal layout's 128 x 144 and 128 x 160 in one set), and widths whose tiles start 32 columns into B's scale
+    blocks (160, 96: the loop instantiated per offset): tails in M, N, K, every layout but contiguous."""
     t = forced(mode, tile)
     m, n, k = 300, 520, 1040
     a, sa, b, sb, ref = _operands(rng, m, n, k)
